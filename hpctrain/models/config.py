@@ -1,0 +1,76 @@
+"""Model shapes: a frozen description of a Llama-style decoder and its analytical counts.
+
+The counts here are the single source for parameters and FLOPs: the planner, MFU and the
+tests all read them, and a test checks them against the built model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention."""
+
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    attention: str = "sdpa"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, SwiGLU MLP, two RMSNorm weights)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # wq, wo, wk, wv
+        mlp = 3 * self.dim * self.ffn_dim  # w1 (gate), w3 (up), w2 (down)
+        return attn + mlp + 2 * self.dim
+
+    def num_params(self) -> int:
+        """Total parameters of the built model (a tied output head is counted once)."""
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tied_embeddings else self.vocab_size * self.dim
+        return embed + self.n_layers * self.layer_params() + self.dim + head
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward, no recomputation) per token at `seq_len`.
+
+        6 FLOPs per multiply-accumulated weight (2 forward, 4 backward) over every matmul
+        weight (all block matrices and the output head; the embedding is a lookup), plus the
+        attention score and value products: 2·2·L·D per token per layer forward, ×3 for
+        training. Causal masking is not discounted, matching eager attention's real work.
+        """
+        matmul_weights = self.n_layers * (self.layer_params() - 2 * self.dim)
+        matmul_weights += self.vocab_size * self.dim
+        return 6 * matmul_weights + 12 * self.n_layers * self.dim * seq_len
+
+    def with_(self, **changes) -> ModelConfig:
+        return replace(self, **changes)
+
+
+# Byte-level vocabulary: 256 bytes + end-of-document, padded to 512 so every tp up to 8 divides.
+_BYTE_VOCAB = 512
+
+PRESETS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        ModelConfig("debug", _BYTE_VOCAB, 32, 4, 4, 2, 96, 128),
+        ModelConfig("tiny", _BYTE_VOCAB, 128, 4, 4, 2, 352, 256),
+        ModelConfig("small", _BYTE_VOCAB, 384, 8, 6, 2, 1024, 512),
+        ModelConfig("medium", 32000, 1024, 24, 16, 8, 2816, 2048),
+        ModelConfig("llama3_8b", 128256, 4096, 32, 32, 8, 14336, 8192, rope_theta=500000.0),
+        ModelConfig("llama3_70b", 128256, 8192, 80, 64, 8, 28672, 8192, rope_theta=500000.0),
+        ModelConfig("llama3_405b", 128256, 16384, 126, 128, 8, 53248, 8192, rope_theta=500000.0),
+    )
+}
