@@ -1,0 +1,1 @@
+"""Starting rank processes: locally (spawn) or on Slurm (submitit, sbatch)."""

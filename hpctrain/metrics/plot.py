@@ -1,0 +1,37 @@
+"""A small picture of a run for people without W&B: loss and throughput over steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from hpctrain.metrics.logger import read_jsonl  # noqa: E402
+
+
+def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
+    """Write loss (train and eval) and tokens/s against step to `out_path` (PNG)."""
+    records = read_jsonl(metrics_path) if metrics_path.exists() else []
+    train = [r for r in records if r.get("loss") is not None]
+    if not train:
+        return None
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+                     label="eval")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    ax_loss.legend()
+    tps = [r for r in train if r.get("tokens_per_s")]
+    ax_tps.plot([r["step"] for r in tps], [r["tokens_per_s"] for r in tps], color="tab:green")
+    ax_tps.set(xlabel="step", ylabel="tokens/s", title="Throughput")
+    for ax in (ax_loss, ax_tps):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

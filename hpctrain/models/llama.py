@@ -1,0 +1,108 @@
+"""A Llama-style decoder-only transformer. No parallel code lives here.
+
+Legend: B batch, L sequence, D model dim, N query heads, K kv heads, H head dim, F ffn dim,
+V vocabulary. Parallel layouts replace the Linear/Embedding submodules from outside (by name),
+so the names below (wq, wk, wv, wo, w1, w2, w3, tok_embeddings, output) are a public contract.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.models.config import ModelConfig
+from hpctrain.ops.attention import get_attention
+from hpctrain.ops.norms import RMSNorm
+from hpctrain.ops.rope import apply_rope, rope_tables
+
+
+class AttentionCore(nn.Module):
+    """softmax(q kᵀ/√H) v through the configured backend; its own module so that selective
+    activation checkpointing can wrap exactly this part."""
+
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+        self.fn = get_attention(backend)
+
+    def forward(self, q_BNLH, k_BKLH, v_BKLH):
+        return self.fn(q_BNLH, k_BKLH, v_BKLH)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = AttentionCore(cfg.attention)
+
+    def forward(self, x_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        B, L, _ = x_BLD.shape
+        # Head counts come from the projection widths, so a tensor-parallel shard that holds
+        # N/tp heads runs this same code.
+        q_BNLH = self.wq(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
+        k_BKLH = self.wk(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
+        v_BKLH = self.wv(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q_BNLH, k_BKLH = apply_rope(q_BNLH, *rope), apply_rope(k_BKLH, *rope)
+        o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH)
+        return self.wo(o_BNLH.transpose(1, 2).reshape(B, L, -1))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) ⊙ w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BLD)) * self.w3(x_BLD))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope)
+        return h_BLD + self.mlp(self.mlp_norm(h_BLD))
+
+
+class Transformer(nn.Module):
+    """tokens_BL → logits_BLV. `tok_embeddings` and `output` may be None on pipeline stages
+    that do not hold them (then the stage maps hidden states to hidden states)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._rope:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
+                                   theta=self.cfg.rope_theta)
+            self._rope[device] = (cos.to(device), sin.to(device))
+        return self._rope[device]
+
+    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        h_BLD = self.tok_embeddings(tokens_BL)
+        rope = self.rope(h_BLD.device)
+        for block in self.layers:
+            h_BLD = block(h_BLD, rope)
+        return self.output(self.norm(h_BLD))

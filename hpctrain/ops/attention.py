@@ -1,0 +1,54 @@
+"""Attention backends behind one signature, selected by name (`model.attention`).
+
+Legend: B batch, N query heads, K key/value heads, L sequence, H head dim.
+Every backend computes causal softmax(q kᵀ / √H) v with grouped-query attention (each group
+of N/K query heads shares one key/value head) and returns out_BNLH.
+`eager` is the O(L²) reference that every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _repeat_kv(x_BKLH: torch.Tensor, groups: int) -> torch.Tensor:
+    return x_BKLH if groups == 1 else x_BKLH.repeat_interleave(groups, dim=1)
+
+
+def eager_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
+    """Reference: materialises the L×L score matrix in the input dtype."""
+    groups = q_BNLH.shape[1] // k_BKLH.shape[1]
+    k_BNLH, v_BNLH = _repeat_kv(k_BKLH, groups), _repeat_kv(v_BKLH, groups)
+    L = q_BNLH.shape[2]
+    scores_BNLL = q_BNLH @ k_BNLH.transpose(-1, -2) / math.sqrt(q_BNLH.shape[-1])
+    mask_LL = torch.ones(L, L, dtype=torch.bool, device=q_BNLH.device).tril()
+    scores_BNLL = scores_BNLL.masked_fill(~mask_LL, float("-inf"))
+    return torch.softmax(scores_BNLL, dim=-1) @ v_BNLH
+
+
+def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
+    """torch's fused kernel: FlashAttention/cuDNN/memory-efficient on CUDA, flash on CPU."""
+    groups = q_BNLH.shape[1] // k_BKLH.shape[1]
+    return F.scaled_dot_product_attention(
+        q_BNLH, k_BKLH, v_BKLH, is_causal=True, enable_gqa=groups > 1
+    )
+
+
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {
+    "eager": eager_attention,
+    "sdpa": sdpa_attention,
+}
+
+
+def get_attention(name: str) -> AttentionFn:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    return ATTENTION_BACKENDS[name]

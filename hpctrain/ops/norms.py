@@ -1,0 +1,18 @@
+"""RMSNorm: y = x / sqrt(mean(x²) + eps) · g, computed in fp32 and cast back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        x32 = x_BLD.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x_BLD.dtype)

@@ -1,0 +1,85 @@
+"""Sharded checkpoints in torch.distributed.checkpoint (DCP) format, written atomically.
+
+A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/`: DCP shards of the model and optimizer
+(keyed by fully qualified parameter names, so a later layout can load them), one
+`rank_XXXXX.pt` per rank (RNG and loss-scaler state) and `train_state.json` (step, layout).
+Ranks write into `step_XXXXXXXX.partial/`; after a barrier rank 0 writes `train_state.json`
+and renames the directory. Only renamed directories are complete, so a crash mid-save is
+never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under `run_dir`, or None."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "train_state.json").exists()]
+    return max(done, key=lambda p: p.name, default=None)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state()}
+
+
+def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any], rank_state: dict[str, Any], keep: int = 2) -> Path:
+    """Collective: every rank calls it at the same step."""
+    rank = dist.get_rank()
+    partial = path.with_name(path.name + ".partial")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(partial, path)
+        _prune(path.parent, keep=keep)
+    dist.barrier()
+    return path
+
+
+def _prune(root: Path, *, keep: int) -> None:
+    done = sorted(p for p in root.iterdir() if _NAME.match(p.name))
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load model and optimizer in place; returns (train_state, this rank's rank_state).
+
+    A rank that has no file of its own (the world grew) takes rank 0's RNG state.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    train_state = json.loads((path / "train_state.json").read_text())
+    own = path / f"rank_{dist.get_rank():05d}.pt"
+    rank_state = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=False)
+    torch.set_rng_state(rank_state["rng"]["torch"])
+    return train_state, rank_state

@@ -1,0 +1,62 @@
+"""Token batches from a prepared memmap, sharded by data-parallel rank, exactly resumable.
+
+Samples are non-overlapping windows of seq_len+1 tokens. Epoch e visits them in the order of a
+permutation seeded by (seed, e). The global batch of step s is samples [s·G, (s+1)·G) of that
+infinite stream; data-parallel rank d takes the d-th contiguous slice of G/dp samples and splits
+it into micro-batches. The sampler is a pure function of (seed, step): its whole state is the
+step, so resuming — at any dp size — reproduces the stream exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class TokenDataset:
+    def __init__(self, directory: Path, split: str, *, seq_len: int):
+        meta = json.loads((directory / "meta.json").read_text())
+        self.vocab_size, self.eod = meta["vocab_size"], meta["eod"]
+        self.tokens = np.memmap(directory / f"{split}.bin", dtype=meta["dtype"], mode="r")
+        self.seq_len = seq_len
+        self.n_samples = (len(self.tokens) - 1) // seq_len
+        if self.n_samples < 1:
+            raise ValueError(f"{directory}/{split}.bin holds {len(self.tokens)} tokens, fewer "
+                             f"than train.seq_len+1={seq_len + 1}: add data or lower seq_len")
+
+    def sample(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+    return torch.randperm(n, generator=gen).numpy()
+
+
+class Sampler:
+    """Which sample indices make up (step, dp rank, micro-batch)."""
+
+    def __init__(self, n_samples: int, *, seed: int, global_batch: int, dp: int, micro_batch: int):
+        self.n, self.seed = n_samples, seed
+        self.global_batch, self.dp, self.micro_batch = global_batch, dp, micro_batch
+
+    def indices(self, step: int, *, dp_rank: int, micro: int) -> list[int]:
+        per_rank = self.global_batch // self.dp
+        first = step * self.global_batch + dp_rank * per_rank + micro * self.micro_batch
+        out = []
+        for g in range(first, first + self.micro_batch):
+            epoch, i = divmod(g, self.n)
+            out.append(int(_epoch_order(self.n, self.seed, epoch)[i]))
+        return out
+
+
+def batch(ds: TokenDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs_BL, targets_BL (targets are inputs shifted by one token)."""
+    seqs = torch.from_numpy(np.stack([ds.sample(i) for i in indices]))
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()

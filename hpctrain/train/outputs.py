@@ -1,0 +1,54 @@
+"""What a run leaves behind on the logging rank: loggers, the final summary, the plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hpctrain.config import Config
+from hpctrain.metrics.logger import JsonlLogger, MultiLogger
+from hpctrain.metrics.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def make_loggers(cfg: Config, *, run_dir: Path, start_step: int) -> tuple[MultiLogger, Progress]:
+    progress = Progress(cfg.logger.progress, total=cfg.train.steps, start=start_step)
+    wandb = None
+    if cfg.logger.wandb != "disabled":
+        from hpctrain.metrics.wandb_logger import WandbLogger
+
+        wandb = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
+    return MultiLogger(JsonlLogger(run_dir, start_step=start_step), wandb, progress), progress
+
+
+def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
+              extra: dict[str, Any]) -> dict[str, Any]:
+    """Final numbers of a run. Throughput is the median over steps after the first two
+    (the first steps pay for allocator warm-up and lazy initialisation)."""
+    steady = history[2:] or history
+    tps = statistics.median(h["tokens_per_s"] for h in steady) if steady else None
+    mfus = [h["mfu"] for h in steady if h.get("mfu") is not None]
+    last = history[-1] if history else {}
+    return {
+        "steps": cfg.train.steps,
+        "final_loss": last.get("loss"),
+        "final_eval_loss": extra.pop("final_eval_loss", None),
+        "tokens_per_s": tps,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "step_time_s": statistics.median(h["step_time_s"] for h in steady) if steady else None,
+        "run_dir": str(run_dir),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        **extra,
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = [f"  {k:<22} {fmt(v)}" for k, v in summary.items() if v is not None]
+    log.info("run summary:\n%s", "\n".join(lines))

@@ -1,0 +1,115 @@
+"""Tokenise text into the memmap token layout: `train.bin`/`val.bin` + `meta.json`.
+
+Layout: a flat little-endian uint16 (vocab ≤ 65536) or uint32 array of token ids, documents
+joined by an end-of-document token. `meta.json` records dtype, counts, tokenizer and sources.
+A prepared directory is keyed by a hash of its inputs, written to a temporary name and renamed
+into place, so concurrent or interrupted runs never see a half-written dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.config import DataConfig
+
+log = logging.getLogger(__name__)
+BYTE_EOD = 256  # byte-level vocabulary: 0..255 are bytes, 256 ends a document
+
+
+def source_files(data: DataConfig) -> list[Path]:
+    """The text files to tokenise, in a deterministic order."""
+    if data.source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    files = {Path(f) for pat in data.paths for f in glob.glob(os.path.expanduser(pat))}
+    return sorted(p for p in files if p.is_file())
+
+
+def _read_documents(files: list[Path], max_bytes: int) -> list[bytes]:
+    docs, total = [], 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        text = path.read_bytes()[: max_bytes - total]
+        docs.append(text)
+        total += len(text)
+    return docs
+
+
+def _cache_key(data: DataConfig, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for part in (data.source, data.tokenizer, data.bpe_vocab_size, data.max_bytes,
+                 data.val_fraction):
+        h.update(repr(part).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _tokenize_bytes(docs: list[bytes]) -> tuple[np.ndarray, int]:
+    parts = []
+    for d in docs:
+        parts.append(np.frombuffer(d, dtype=np.uint8).astype(np.uint16))
+        parts.append(np.array([BYTE_EOD], dtype=np.uint16))
+    return np.concatenate(parts), BYTE_EOD
+
+
+def _tokenize_bpe(docs: list[bytes], vocab_size: int, out_dir: Path) -> tuple[np.ndarray, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|eod|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [d.decode("utf-8", errors="replace") for d in docs]
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    eod = tok.token_to_id("<|eod|>")
+    ids = [np.array(e.ids + [eod], dtype=np.uint32) for e in tok.encode_batch(texts)]
+    return np.concatenate(ids), eod
+
+
+def prepare(data: DataConfig) -> Path:
+    """Return the prepared token directory for `data`, building it if needed."""
+    if data.source == "tokens":
+        return Path(os.path.expanduser(data.paths[0]))
+    files = source_files(data)
+    if not files:
+        raise ValueError(f"data.source={data.source}: no text files found "
+                         f"(data.paths={data.paths})")
+    out = Path(os.path.expanduser(data.cache_dir)) / "data" / _cache_key(data, files)
+    if (out / "meta.json").exists():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    docs = _read_documents(files, data.max_bytes)
+    if data.tokenizer == "bpe":
+        tokens, eod = _tokenize_bpe(docs, data.bpe_vocab_size, tmp)
+    else:
+        tokens, eod = _tokenize_bytes(docs)
+    vocab = data.bpe_vocab_size if data.tokenizer == "bpe" else BYTE_EOD + 1
+    dtype = np.uint16 if vocab <= 65536 else np.uint32
+    tokens = tokens.astype(dtype)
+    n_val = max(1, int(len(tokens) * data.val_fraction))
+    tokens[:-n_val].tofile(tmp / "train.bin")
+    tokens[-n_val:].tofile(tmp / "val.bin")
+    meta = {"dtype": np.dtype(dtype).name, "train_tokens": len(tokens) - n_val,
+            "val_tokens": n_val, "vocab_size": vocab, "eod": int(eod),
+            "tokenizer": data.tokenizer, "documents": len(docs), "source": data.source}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race; its copy is identical
+        log.info("prepared data already present at %s", out)
+    log.info("prepared %d tokens from %d files into %s", len(tokens), len(docs), out)
+    return out

@@ -1,0 +1,178 @@
+"""The training loop: build, (resume), step, log, evaluate, checkpoint, summarise.
+
+Steps are counted as completed optimizer steps: the record with `step: k` describes the k-th
+update, and a checkpoint at step k resumes with update k+1. The loop is bit-reproducible on
+CPU: the data stream and the LR are pure functions of the step, and everything else that
+changes (weights, optimizer state, RNG, loss scale) is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctrain.config import Config
+from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
+from hpctrain.distributed.mesh import Mesh
+from hpctrain.metrics.memory import model_state_ledger, optimizer_tensors
+from hpctrain.metrics.plot import plot_run
+from hpctrain.metrics.throughput import mfu, peak_bf16_flops
+from hpctrain.models import build_model
+from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.train import checkpoint as ckpt
+from hpctrain.train.data import Sampler, TokenDataset, batch
+from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+from hpctrain.train.outputs import make_loggers, print_summary, summarize
+from hpctrain.train.prepare import prepare
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import eval_loss, train_step
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh, self.run_dir = cfg, mesh, Path(cfg.run_dir)
+        t = cfg.train
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg.model, seed=t.seed)
+        apply_activation_checkpointing(self.model, t.activation_checkpointing)
+        self.model.to(mesh.device)
+        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.scaler = LossScaler(enabled=t.precision == "fp16")
+        data_dir = prepare(cfg.data)
+        self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
+        self.val_ds = TokenDataset(data_dir, "val", seq_len=t.seq_len)
+        self.sampler = Sampler(self.train_ds.n_samples, seed=t.seed, dp=cfg.parallel.dp,
+                               global_batch=t.global_batch_size, micro_batch=t.micro_batch_size)
+        self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
+        self.history: list[dict[str, Any]] = []
+        self.step = 0
+
+    # -- batches ---------------------------------------------------------------------------
+    def micro_batches(self, step: int):
+        dp_rank = self.mesh.coord("dp")
+        for micro in range(self.cfg.grad_accum):
+            yield batch(self.train_ds, self.sampler.indices(step, dp_rank=dp_rank, micro=micro))
+
+    def eval_batches(self):
+        t, dp, dp_rank = self.cfg.train, self.cfg.parallel.dp, self.mesh.coord("dp")
+        n = self.val_ds.n_samples
+        for j in range(t.eval_batches):
+            first = (j * dp + dp_rank) * t.micro_batch_size
+            yield batch(self.val_ds, [(first + i) % n for i in range(t.micro_batch_size)])
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def resume(self) -> None:
+        mode = self.cfg.train.resume
+        if mode == "never":
+            return
+        path = Path(mode) if mode != "auto" else ckpt.latest_complete(self.run_dir)
+        if path is None:
+            return
+        train_state, rank_state = ckpt.load(path, model=self.model, optimizer=self.optimizer)
+        self.scaler.load_state_dict(rank_state["scaler"])
+        self.step = train_state["step"]
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def save(self) -> Path:
+        p = self.cfg.parallel
+        state = {"step": self.step,
+                 "consumed_samples": self.step * self.cfg.train.global_batch_size,
+                 "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
+        return ckpt.save(ckpt.checkpoint_dir(self.run_dir, self.step), model=self.model,
+                         optimizer=self.optimizer, train_state=state,
+                         rank_state={"scaler": self.scaler.state_dict()})
+
+    # -- one step --------------------------------------------------------------------------
+    def train_one(self) -> dict[str, Any]:
+        cfg, step = self.cfg, self.step
+        lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
+        set_lr(self.optimizer, lr)
+        t0 = time.perf_counter()
+        result = train_step(self.model, self.optimizer, self.micro_batches(step),
+                            n_micro=cfg.grad_accum, precision=cfg.train.precision,
+                            scaler=self.scaler, dp_group=self.mesh.group("dp"),
+                            grad_clip=cfg.train.grad_clip)
+        dt = time.perf_counter() - t0
+        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
+        self.step += 1
+        return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                "skipped": result.skipped, "step_time_s": dt, "tokens_per_s": tokens_per_s,
+                "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
+                           n_devices=self.mesh.dims.world_size, peak_flops=self.peak)}
+
+    def memory_metrics(self) -> dict[str, int]:
+        ledger = model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer))
+        on_device = peak_memory_bytes(self.mesh.device)
+        total = sum(ledger.values()) if self.mesh.device.type == "cpu" else on_device
+        return {**ledger, "mem_bytes": total, "mem_peak_process_bytes": on_device}
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self.resume()
+        t = self.cfg.train
+        logging_rank = self.mesh.is_logging_rank
+        loggers, progress = (make_loggers(self.cfg, run_dir=self.run_dir, start_step=self.step)
+                             if logging_rank else (None, None))
+        reset_peak_memory(self.mesh.device)
+        extra: dict[str, Any] = {}
+        with self._profiler() as prof:
+            while self.step < t.steps:
+                metrics = self.train_one()
+                self.history.append(metrics)
+                self._after_step(metrics, loggers, progress, extra)
+                if prof is not None:
+                    prof.step()
+                if t.stop_after is not None and self.step >= t.stop_after:
+                    break
+        extra["checkpoint"] = str(self.save())
+        return self._finish(loggers, extra) if logging_rank else {}
+
+    def _after_step(self, metrics, loggers, progress, extra) -> None:
+        t, step = self.cfg.train, self.step
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            metrics["eval_loss"] = eval_loss(self.model, self.eval_batches(),
+                                             precision=t.precision, dp_group=self.mesh.group("dp"))
+            extra["final_eval_loss"] = metrics["eval_loss"]
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+            self.save()
+        if loggers is None:
+            return
+        progress.advance(step - 1)
+        if step % t.log_every == 0 or step == t.steps or "eval_loss" in metrics:
+            loggers.log(step, {**metrics, **self.memory_metrics()})
+
+    def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
+        mem = self.memory_metrics()
+        extra.update(peak_memory_bytes=mem["mem_bytes"], device=device_name(self.mesh.device),
+                     world_size=self.mesh.dims.world_size, completed_steps=self.step)
+        plot = plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
+        extra["plot"] = str(plot) if plot else None
+        summary = summarize(self.history, cfg=self.cfg, run_dir=self.run_dir, extra=extra)
+        loggers.summary(summary)
+        loggers.close()
+        print_summary(summary)
+        return summary
+
+    @contextlib.contextmanager
+    def _profiler(self):
+        if not self.cfg.train.profile:
+            yield None
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        out = self.run_dir / "profile" / f"trace_rank{self.mesh.rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU]
+        if self.mesh.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities,
+                     schedule=schedule(wait=1, warmup=1, active=self.cfg.train.profile_steps),
+                     on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+            yield prof
