@@ -55,7 +55,8 @@ def draw_timeline(
         ax.set_xlabel("time")
         ax.set_title(title)
         ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
-                  loc="upper right", fontsize=7, ncol=4)
+                  loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4,
+                  frameon=False)
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=110)
     finally:
