@@ -122,3 +122,24 @@ def test_check_rejects_cross_rank_deadlock():
     broken = _with_rank(_with_rank(s, 0, rank0), 1, rank1)
     with pytest.raises(ValueError, match=r"deadlock, ranks blocked at \{0: '0BW0', 1: '1F1'\}"):
         check(broken)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_makespan_bubble_charges_start_ramp(p):
+    """From t = 0, ZB-H2 and ZB-V keep the last rank's start-up ramp (p-1)(T_F + T_comm).
+
+    ZB-H2's rank-span bubble is then its closed form (p-1)(T_F+T_B-2T_W) + 2(p-1)T_comm.
+    """
+    costs = dict(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.25)
+    r = simulate(build_schedule("zb_h2", pp=p, microbatches=4 * p), **costs)
+    assert r.makespan - r.work_per_rank == pytest.approx((p - 1) * 1.25)
+    assert r.cost - r.work_per_rank == pytest.approx(2 * (p - 1) * 0.25)
+    r = simulate(build_schedule("zbv", pp=p, microbatches=4 * p), t_f=1.0, t_b=1.0, t_w=1.0)
+    assert r.makespan - r.work_per_rank == pytest.approx(p - 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_zbv_peak_activations_match_1f1b_in_model_units(p):
+    """2p half-size stage activations on every rank = 1F1B's rank-0 peak of p full stages."""
+    r = simulate(build_schedule("zbv", pp=p, microbatches=3 * p), t_f=1.0, t_b=1.0, t_w=1.0)
+    assert r.peak_activations == (2 * p,) * p
