@@ -1,0 +1,1 @@
+"""Parallelism along the tensor, pipeline and data axes."""

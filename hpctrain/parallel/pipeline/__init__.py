@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, a simulator, lowering to communication actions."""
