@@ -115,3 +115,16 @@ def lookup_device(name: str) -> DeviceSpec | None:
         if re.search(pattern, norm):
             return DEVICES[key]
     return None
+
+
+def mfu_or_none(model_flops_per_s: float, device_name: str, *, precision: str = "bf16"):
+    """Model FLOP/s per device ÷ the device's dense peak, or None if the device is unknown
+    (or has no published peak for `precision`): an MFU against a guessed peak is worse than none.
+    """
+    spec = lookup_device(device_name)
+    if spec is None:
+        return None
+    try:
+        return model_flops_per_s / spec.peak_flops(precision)
+    except ValueError:
+        return None

@@ -51,3 +51,11 @@ def test_peaks_in_the_table():
 def test_missing_precision_peak_names_the_fix():
     with pytest.raises(ValueError, match="no published 'fp32' peak for B200"):
         DEVICES["B200"].peak_flops("fp32")
+
+
+def test_mfu_is_null_for_unknown_devices():
+    from hpctrain.plan.devices import mfu_or_none
+
+    assert mfu_or_none(156e12, "NVIDIA A100-SXM4-80GB") == pytest.approx(0.5)
+    assert mfu_or_none(156e12, "Some Future GPU") is None
+    assert mfu_or_none(1e12, "NVIDIA B200", precision="fp32") is None
