@@ -39,20 +39,14 @@ def plan_report(
                   precision=precision, dp_overlap=dp_overlap)
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
     memory.update(total=mem.total, host=mem.host)
+    inputs = {
+        "model": asdict(model), "cluster": asdict(cluster), "layout": asdict(layout),
+        "global_batch": global_batch, "micro_batch_size": micro_batch_size,
+        "num_microbatches": m, "seq_len": seq_len, "recompute": recompute,
+        "precision": precision, "in_flight": in_flight, "dp_overlap": dp_overlap,
+    }
     return {
-        "inputs": {
-            "model": asdict(model),
-            "cluster": asdict(cluster),
-            "layout": asdict(layout),
-            "global_batch": global_batch,
-            "micro_batch_size": micro_batch_size,
-            "num_microbatches": m,
-            "seq_len": seq_len,
-            "recompute": recompute,
-            "precision": precision,
-            "in_flight": in_flight,
-            "dp_overlap": dp_overlap,
-        },
+        "inputs": inputs,
         "memory_bytes": memory,
         "device_memory_bytes": cluster.device.memory_bytes,
         "fits": mem.fits(cluster.device.memory_bytes),
