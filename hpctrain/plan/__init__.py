@@ -1,0 +1,35 @@
+"""The analytical planner: will a layout fit, how fast will it be, and which layout is best.
+
+Pure arithmetic (no torch, no processes): devices → cluster → memory and time models →
+layout search → reports. See each module's docstring for its formulas and sources.
+"""
+
+from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
+from hpctrain.plan.devices import DEVICES, DeviceSpec, lookup_device, mfu_or_none
+from hpctrain.plan.layout import Layout
+from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown, model_state_bytes
+from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
+from hpctrain.plan.search import Candidate, search_layouts
+from hpctrain.plan.shapes import GPTShape
+from hpctrain.plan.time import StepTime, step_time
+
+__all__ = [
+    "DEVICES",
+    "Candidate",
+    "ClusterSpec",
+    "DeviceSpec",
+    "GPTShape",
+    "Layout",
+    "MemoryBreakdown",
+    "StepTime",
+    "format_plan_table",
+    "format_search_table",
+    "lookup_device",
+    "megatron_a100_cluster",
+    "memory_breakdown",
+    "mfu_or_none",
+    "model_state_bytes",
+    "plan_report",
+    "search_layouts",
+    "step_time",
+]

@@ -1,0 +1,110 @@
+"""Layout: one way of splitting a training job (dp × tp × pp, ZeRO stage, schedule), and the
+divisibility rules that make it valid for a model and a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpctrain.distributed.dims import ParallelDims
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Recompute = Literal["none", "selective", "full"]
+Offload = Literal["none", "cpu"]
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
+# Schedules that place several model chunks on each rank; zbv always uses exactly two.
+INTERLEAVED = ("interleaved_1f1b", "zbv")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp·tp·pp ranks; `virtual_stages` model chunks per pipeline rank (interleaved schedules);
+    ZeRO stage 0–3 over dp; optimizer `offload`; sequence parallelism `sp` inside tp groups."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    zero: int = 0
+    offload: Offload = "none"
+    sp: bool = False
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)  # degrees >= 1
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"offload={self.offload!r} must be 'none' or 'cpu'")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        v = self.virtual_stages
+        if self.schedule == "zbv" and v != 2:
+            raise ValueError(f"schedule='zbv' places 2 chunks per rank; got virtual_stages={v}")
+        if self.schedule not in INTERLEAVED and v != 1:
+            raise ValueError(
+                f"virtual_stages={v} needs an interleaved schedule ({INTERLEAVED}), "
+                f"not {self.schedule!r}: set virtual_stages=1"
+            )
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def n_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        """Short label, e.g. 'dp4 tp2 pp2 v1 z1 1f1b sp'."""
+        extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "
+            f"{self.schedule}{extras}"
+        )
+
+
+def num_microbatches(global_batch: int, *, micro_batch_size: int, dp: int) -> int:
+    """m = global_batch / (micro_batch_size · dp): microbatches each pipeline runs per step."""
+    per_step = micro_batch_size * dp
+    if global_batch % per_step:
+        raise ValueError(
+            f"global_batch={global_batch} is not divisible by micro_batch_size={micro_batch_size}"
+            f" × dp={dp} = {per_step}: choose a global batch that is a multiple of {per_step}"
+        )
+    return global_batch // per_step
+
+
+def layout_problems(
+    model, layout: Layout, *, global_batch: int, micro_batch_size: int
+) -> list[str]:
+    """Reasons `layout` cannot run `model` (empty when valid): heads % tp, layers % (pp·v),
+    global batch % (mbs·dp), and interleaved schedules needing m % pp == 0 (Megatron's rule)."""
+    problems = []
+    if model.n_heads % layout.tp:
+        problems.append(f"n_heads={model.n_heads} not divisible by tp={layout.tp}")
+    kv = getattr(model, "n_kv_heads", model.n_heads)
+    if kv % layout.tp and layout.tp % kv:
+        problems.append(f"n_kv_heads={kv} and tp={layout.tp}: neither divides the other")
+    chunks = layout.pp * layout.virtual_stages
+    if model.n_layers % chunks:
+        problems.append(f"n_layers={model.n_layers} not divisible by pp×v={chunks}")
+    per_step = micro_batch_size * layout.dp
+    if global_batch % per_step:
+        problems.append(f"global_batch={global_batch} not divisible by mbs×dp={per_step}")
+    elif layout.schedule == "interleaved_1f1b" and (global_batch // per_step) % layout.pp:
+        problems.append(f"interleaved_1f1b needs microbatches % pp == 0 (pp={layout.pp})")
+    return problems
+
+
+def check_layout(model, layout: Layout, *, global_batch: int, micro_batch_size: int) -> None:
+    """Raise a ValueError listing every problem `layout_problems` finds."""
+    problems = layout_problems(
+        model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size
+    )
+    if problems:
+        raise ValueError(f"layout {layout.describe()} is invalid: " + "; ".join(problems))

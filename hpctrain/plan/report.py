@@ -1,0 +1,96 @@
+"""Plan reports: a JSON-serialisable dict for one layout, and plain-text tables for people."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from hpctrain.plan.bubble import in_flight_microbatches
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.layout import Layout, check_layout, num_microbatches
+from hpctrain.plan.memory import memory_breakdown
+from hpctrain.plan.search import Candidate
+from hpctrain.plan.shapes import Shape
+from hpctrain.plan.time import step_time
+
+GIB = 2**30
+_MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def plan_report(
+    model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
+    micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
+    in_flight: int | None = None, dp_overlap: float = 0.0,
+) -> dict:
+    """Memory (bytes) and time predictions for one layout, with every input echoed.
+
+    in_flight: activation sets alive at the peak (from the pipeline simulator); None takes the
+    closed form `in_flight_microbatches`. All values are plain str/int/float/bool/None.
+    """
+    check_layout(model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size)
+    m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
+    if in_flight is None:
+        in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
+                                           v=layout.virtual_stages)
+    mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                           in_flight=in_flight, recompute=recompute, precision=precision)
+    t = step_time(model, cluster, layout=layout, global_batch=global_batch,
+                  micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
+                  precision=precision, dp_overlap=dp_overlap)
+    memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
+    memory.update(total=mem.total, host=mem.host)
+    inputs = {
+        "model": asdict(model), "cluster": asdict(cluster), "layout": asdict(layout),
+        "global_batch": global_batch, "micro_batch_size": micro_batch_size,
+        "num_microbatches": m, "seq_len": seq_len, "recompute": recompute,
+        "precision": precision, "in_flight": in_flight, "dp_overlap": dp_overlap,
+    }
+    return {
+        "inputs": inputs,
+        "memory_bytes": memory,
+        "device_memory_bytes": cluster.device.memory_bytes,
+        "fits": mem.fits(cluster.device.memory_bytes),
+        "time": asdict(t),
+        "step_time_s": t.step_time_s,
+        "tokens_per_s": t.tokens_per_s,
+        "tflops_per_device": t.tflops_per_device,
+        "mfu": t.mfu,
+    }
+
+
+def format_plan_table(report: dict) -> str:
+    """Two-column text table of a `plan_report` dict: memory in GiB, then time and rates."""
+    inputs = report["inputs"]
+    lay = Layout(**inputs["layout"])
+    rows = [("model", str(inputs["model"]["name"])), ("layout", lay.describe()),
+            ("recompute", inputs["recompute"]), ("precision", inputs["precision"])]
+    mem = report["memory_bytes"]
+    rows += [(f"mem {k}", f"{mem[k] / GIB:.2f} GiB") for k in (*_MEMORY_KEYS, "total")]
+    if mem["host"]:
+        rows.append(("host (offload)", f"{mem['host'] / GIB:.2f} GiB"))
+    cap = report["device_memory_bytes"] / GIB
+    rows.append(("fits", f"{'yes' if report['fits'] else 'NO'} (device {cap:.1f} GiB)"))
+    t = report["time"]
+    for key in ("step_time_s", "compute_s", "comm_tp_s", "comm_pp_s", "bubble_s", "comm_dp_s"):
+        rows.append((key.removesuffix("_s"), f"{t[key]:.4g} s"))
+    rows += [("tokens/s", f"{t['tokens_per_s']:,.0f}"),
+             ("TFLOP/s/device", f"{t['tflops_per_device']:.1f}"),
+             ("MFU", "null" if t["mfu"] is None else f"{t['mfu']:.1%}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_search_table(candidates: Sequence[Candidate], top: int = 5) -> str:
+    """The first `top` candidates of `search_layouts` as a fixed-width table."""
+    head = ("#", "layout", "recompute", "step s", "tok/s", "TFLOP/s", "MFU", "mem GiB", "reason")
+    rows = [head]
+    for i, c in enumerate(candidates[:top], 1):
+        rows.append((str(i), c.layout.describe(), c.recompute, f"{c.time.step_time_s:.4g}",
+                     f"{c.time.tokens_per_s:,.0f}", f"{c.time.tflops_per_device:.1f}",
+                     f"{c.time.mfu:.1%}", f"{c.memory.total / GIB:.1f}", c.reason))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    if len(candidates) > top:
+        lines.append(f"... {len(candidates) - top} more")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Layout search: every valid (dp, tp, pp, v, ZeRO, schedule, recompute) for n devices, scored.
+
+Candidates that fit in device memory are ranked by predicted step time (ties: lower ZeRO
+stage, less recomputation, less memory); the rest follow, smallest first. Each candidate
+carries a one-line reason saying why it is not the winner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from hpctrain.plan.bubble import in_flight_microbatches
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
+from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown
+from hpctrain.plan.shapes import Shape
+from hpctrain.plan.time import StepTime, step_time
+
+GIB = 2**30
+BUBBLE_NOTE = 0.10  # bubbles above this fraction are called out in the reason
+DP_NOTE = 0.20  # exposed dp communication above this share of the step is called out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One scored layout. `reason` is 'best' for the winner, else why it lost."""
+
+    layout: Layout
+    recompute: str
+    memory: MemoryBreakdown
+    time: StepTime
+    fits: bool
+    reason: str = ""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipelines(pp: int, schedules: Sequence[str], virtual_stages: Sequence[int]):
+    """(schedule, v) pairs for pp ranks; pp = 1 has no pipeline, so only ('1f1b', 1)."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for schedule in schedules:
+        if schedule == "interleaved_1f1b":
+            yield from ((schedule, v) for v in virtual_stages if v > 1)
+        elif schedule == "zbv":
+            yield schedule, 2
+        else:
+            yield schedule, 1
+
+
+def enumerate_layouts(
+    model: Shape, *, n_devices: int, global_batch: int, micro_batch_size: int,
+    schedules: Sequence[str], zero_stages: Sequence[int], virtual_stages: Sequence[int],
+) -> Iterator[Layout]:
+    """Valid layouts with dp·tp·pp = n_devices (`layout_problems` empty); sp on when tp > 1;
+    ZeRO stages > 0 only when dp > 1 (they shard nothing otherwise)."""
+    for tp in _divisors(n_devices):
+        for pp in _divisors(n_devices // tp):
+            dp = n_devices // (tp * pp)
+            for schedule, v in _pipelines(pp, schedules, virtual_stages):
+                for zero in zero_stages if dp > 1 else (0,):
+                    layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
+                                    sp=tp > 1, schedule=schedule)
+                    if not layout_problems(model, layout, global_batch=global_batch,
+                                           micro_batch_size=micro_batch_size):
+                        yield layout
+
+
+def _score(model, cluster, layout, recompute, *, global_batch, micro_batch_size, seq_len,
+           precision, dp_overlap) -> Candidate:
+    m = global_batch // (micro_batch_size * layout.dp)
+    in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
+                                       v=layout.virtual_stages)
+    mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                           in_flight=in_flight, recompute=recompute, precision=precision)
+    t = step_time(model, cluster, layout=layout, global_batch=global_batch,
+                  micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
+                  precision=precision, dp_overlap=dp_overlap)
+    return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes))
+
+
+def _reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> str:
+    if not c.fits:
+        return (f"does not fit: {c.memory.total / GIB:.1f} GiB > "
+                f"{cluster.device.memory_bytes / GIB:.1f} GiB")
+    if c is best:
+        return "best"
+    notes = [f"slower: {c.time.step_time_s / best.time.step_time_s:.2f}× best"]
+    if c.time.bubble_fraction > BUBBLE_NOTE:
+        notes.append(f"bubble {c.time.bubble_fraction:.0%}")
+    if c.layout.tp > cluster.gpus_per_node:
+        notes.append("tp all-reduce crosses nodes")
+    if c.time.comm_dp_s > DP_NOTE * c.time.step_time_s:
+        notes.append(f"dp comm {c.time.comm_dp_s / c.time.step_time_s:.0%} of step")
+    return "; ".join(notes)
+
+
+def search_layouts(
+    model: Shape, cluster: ClusterSpec, *, n_devices: int, global_batch: int,
+    micro_batch_size: int, seq_len: int, precision: str = "bf16",
+    schedules: Sequence[str] = ("1f1b", "interleaved_1f1b", "zb_h1"),
+    zero_stages: Sequence[int] = (0, 1, 2, 3), recomputes: Sequence[str] = RECOMPUTES,
+    virtual_stages: Sequence[int] = (2, 4), dp_overlap: float = 0.0,
+) -> list[Candidate]:
+    """All valid candidates, fitting ones fastest first, each with its reason (module doc)."""
+    if n_devices < 1:
+        raise ValueError(f"n_devices={n_devices} must be >= 1")
+    layouts = enumerate_layouts(
+        model, n_devices=n_devices, global_batch=global_batch,
+        micro_batch_size=micro_batch_size, schedules=schedules, zero_stages=zero_stages,
+        virtual_stages=virtual_stages,
+    )
+    kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
+              precision=precision, dp_overlap=dp_overlap)
+    scored = [_score(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
+    order = {r: i for i, r in enumerate(RECOMPUTES)}
+    fitting = sorted((c for c in scored if c.fits), key=lambda c: (
+        c.time.step_time_s, c.layout.zero, order[c.recompute], c.memory.total))
+    rest = sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total)
+    best = fitting[0] if fitting else None
+    return [_with_reason(c, best, cluster) for c in fitting + rest]
+
+
+def _with_reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> Candidate:
+    return replace(c, reason=_reason(c, best, cluster))

@@ -1,0 +1,161 @@
+"""Step-time model: compute + tensor-parallel + pipeline p2p + bubble + exposed data-parallel.
+
+Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatches of b sequences:
+  compute  = F / n / (peak · achievable_fraction), F = T · training_flops_per_token (with the
+             recomputed forward when recompute='full': Megatron's 96·B·s·l·h²·(1 + s/(6h) +
+             V/(16·l·h)); 6N-style `flops_per_token` otherwise)
+  comm_tp  = m · (l/pp) · k · ring_all_reduce(b·s·h·2 bytes over t), k = 4 all-reduces per layer
+             (2 forward, 2 backward) + 2 when the forward is recomputed; sequence parallelism
+             swaps each for a reduce-scatter + all-gather of the same cost
+  comm_pp  = 2 · m · v · (b·s·h·2/t bytes / bw + latency): one activation forward and one
+             gradient backward per microbatch per chunk (Megatron's scatter/gather send of 1/t)
+  bubble   = busy · f/(1 − f), busy = compute + comm_tp + comm_pp, f = bubble_fraction(...)
+  comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
+             (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
+Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
+The optimizer step and the elementwise kernels are not timed separately: achievable_fraction
+absorbs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.plan.bubble import bubble_fraction
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.layout import Layout, check_layout, num_microbatches
+from hpctrain.plan.memory import state_bytes_per_param
+from hpctrain.plan.shapes import Shape, rank_params, training_flops_per_token
+
+ACT_BYTES = 2  # activations travel in 16 bits (fp32 runs: 4, see `_act_bytes`)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds per optimizer step and its parts; rates derived from it.
+
+    tflops_per_device counts executed FLOPs (recomputation included), as Megatron-LM reports;
+    mfu counts model FLOPs only (no recomputation) against the dense peak.
+    """
+
+    step_time_s: float
+    compute_s: float
+    comm_tp_s: float
+    comm_dp_s: float
+    comm_pp_s: float
+    bubble_s: float
+    bubble_fraction: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+
+
+def ring_time(nbytes: float, *, n: int, bw: float, latency: float, op: str) -> float:
+    """Seconds for a ring collective of `nbytes` per rank over `n` ranks at `bw` bytes/s."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}.get(op)
+    if steps is None:
+        raise ValueError(f"op={op!r} must be all_reduce, reduce_scatter or all_gather")
+    return steps * ((n - 1) / n * nbytes / bw + (n - 1) * latency)
+
+
+def tp_link(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
+    """(bytes/s, latency) of a tp group: NVLink when it fits in a node, else a NIC share."""
+    if tp <= cluster.gpus_per_node:
+        return cluster.intra_node_bw, cluster.latency_intra
+    return cluster.inter_node_bw / cluster.gpus_per_node, cluster.latency_inter
+
+
+def dp_link(cluster: ClusterSpec, *, tp: int, dp: int) -> tuple[float, float]:
+    """(bytes/s, latency) for one dp group's ring.
+
+    Ranks are tp-fastest, so a dp group spans dp·tp consecutive ranks. Within a node: NVLink.
+    Across nodes each node has g/k concurrent dp groups sharing its NICs, with k = members of
+    one group per node = max(1, min(dp, g // tp)); a ring crosses each node boundary once, so
+    each group gets inter_node_bw · k / g (all NICs for tp=1, one NIC's share for tp=g).
+    """
+    g = cluster.gpus_per_node
+    if dp * tp <= g:
+        return cluster.intra_node_bw, cluster.latency_intra
+    k = max(1, min(dp, g // tp))
+    return min(cluster.intra_node_bw, cluster.inter_node_bw * k / g), cluster.latency_inter
+
+
+def pp_link(cluster: ClusterSpec, layout: Layout) -> tuple[float, float]:
+    """(bytes/s, latency) of a stage boundary: NVLink if the job is one node, else a NIC share."""
+    if layout.n_devices <= cluster.gpus_per_node:
+        return cluster.intra_node_bw, cluster.latency_intra
+    return cluster.inter_node_bw / cluster.gpus_per_node, cluster.latency_inter
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else ACT_BYTES
+
+
+def tp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, precision) -> float:
+    """m · (l/pp) · k all-reduces of b·s·h activations, k = 4 (+2 with full recompute)."""
+    k = 6 if recompute == "full" else 4
+    nbytes = mbs * seq_len * model.dim * _act_bytes(precision)
+    bw, lat = tp_link(cluster, layout.tp)
+    one = ring_time(nbytes, n=layout.tp, bw=bw, latency=lat, op="all_reduce")
+    return m * model.n_layers / layout.pp * k * one
+
+
+def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> float:
+    """2 · m · v sends of b·s·h/t activations (forward) or gradients (backward)."""
+    if layout.pp == 1:
+        return 0.0
+    bw, lat = pp_link(cluster, layout)
+    nbytes = mbs * seq_len * model.dim * _act_bytes(precision) / layout.tp
+    return 2 * m * layout.virtual_stages * (nbytes / bw + lat)
+
+
+def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
+    """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3)."""
+    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(precision)[1]
+    bw, lat = dp_link(cluster, tp=layout.tp, dp=layout.dp)
+    gathers = 2 if layout.zero == 3 else 1
+    rs = ring_time(nbytes, n=layout.dp, bw=bw, latency=lat, op="reduce_scatter")
+    ag = ring_time(nbytes, n=layout.dp, bw=bw, latency=lat, op="all_gather")
+    return rs + gathers * ag
+
+
+def step_time(
+    model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
+    micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
+    dp_overlap: float = 0.0,
+) -> StepTime:
+    """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
+
+    dp_overlap: fraction of the data-parallel communication hidden behind backward compute
+    (0 = none, as in Megatron-LM 2021; ~0.5–0.9 for bucketed DDP/FSDP with prefetch).
+    """
+    if not 0.0 <= dp_overlap <= 1.0:
+        raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
+    check_layout(model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size)
+    m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
+    n, tokens = layout.n_devices, global_batch * seq_len
+    peak = cluster.device.peak_flops(precision)
+    executed = tokens * training_flops_per_token(model, seq_len=seq_len, recompute=recompute)
+    compute = executed / n / (peak * cluster.achievable_fraction)
+    kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len, precision=precision)
+    tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
+    pp = pp_comm_s(model, cluster, layout, **kw)
+    frac = bubble_fraction(layout.schedule, pp=layout.pp, m=m, v=layout.virtual_stages)
+    bubble = (compute + tp + pp) * frac / (1.0 - frac)
+    dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
+    total = compute + tp + pp + bubble + dp
+    model_flops = tokens * model.flops_per_token(seq_len)
+    return StepTime(
+        step_time_s=total,
+        compute_s=compute,
+        comm_tp_s=tp,
+        comm_dp_s=dp,
+        comm_pp_s=pp,
+        bubble_s=bubble,
+        bubble_fraction=frac,
+        tokens_per_s=tokens / total,
+        tflops_per_device=executed / n / total / 1e12,
+        mfu=model_flops / n / total / peak,
+    )

@@ -1,0 +1,19 @@
+"""Shared helpers for unit tests."""
+
+import csv
+from pathlib import Path
+
+import pytest
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference"
+
+
+def read_reference(name: str) -> list[dict[str, str]]:
+    """Rows of tests/reference/<name> (paper tables copied from /work/shared/reference)."""
+    with open(REFERENCE / name) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+@pytest.fixture
+def reference():
+    return read_reference
