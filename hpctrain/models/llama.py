@@ -13,6 +13,7 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.ops.attention import get_attention
+from hpctrain.ops.linear import Linear
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import apply_rope, rope_tables
 
@@ -34,10 +35,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = AttentionCore(cfg.attention)
 
     def forward(self, x_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
@@ -57,9 +58,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w1 = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BLD)) * self.w3(x_BLD))
@@ -88,7 +89,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,0 +1,113 @@
+"""hpctrain's Linear: y = x Wᵀ (+ b), with an autograd function we own.
+
+Owning the backward lets zero-bubble pipeline schedules split it: the input gradient
+∂L/∂x = ∂L/∂y · W is returned at once (the B action), while the weight gradient
+∂L/∂W = ∂L/∂yᵀ · x is pushed as a closure onto a `WeightGradQueue` and computed later (the W
+action) from the tensors saved in forward — nothing is recomputed. Without a deferring queue
+it behaves exactly like `torch.nn.Linear` without bias-free shortcuts.
+
+Autocast: the compute dtype is fixed in forward (the autocast dtype when enabled) and reused in
+backward, so bf16 compute with fp32 parameters works; weight gradients are returned in the
+parameter's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradQueue:
+    """FIFO of deferred weight-gradient computations. `deferring` is switched on by a pipeline
+    stage around a B action; `run_all` (a W action) computes and accumulates them."""
+
+    def __init__(self):
+        self.deferring = False
+        self._pending: deque[Callable[[], None]] = deque()
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._pending.append(fn)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def run_all(self) -> int:
+        n = len(self._pending)
+        while self._pending:
+            self._pending.popleft()()
+        return n
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad += grad.to(param.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        dtype = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x_c, w_c = x.to(dtype), weight.to(dtype)
+            out = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x_c, w_c)
+        ctx.weight, ctx.bias, ctx.queue, ctx.x_dtype = weight, bias, queue, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_c, w_c = ctx.saved_tensors
+        grad_out = grad_out.to(w_c.dtype)
+        grad_x = (grad_out @ w_c).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        weight, bias = ctx.weight, ctx.bias
+
+        def weight_grad():
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            return g2.t() @ x_c.reshape(-1, x_c.shape[-1]), g2.sum(0) if bias is not None else None
+
+        queue = ctx.queue
+        if queue is not None and queue.deferring:
+            def deferred():
+                gw, gb = weight_grad()
+                _accumulate(weight, gw)
+                if gb is not None:
+                    _accumulate(bias, gb)
+
+            queue.put(deferred)
+            return grad_x, None, None, None
+        gw, gb = weight_grad()
+        gw = gw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = gb.to(bias.dtype) if gb is not None and ctx.needs_input_grad[2] else None
+        return grad_x, gw, gb, None
+
+
+class Linear(nn.Module):
+    """Drop-in for nn.Linear (same parameter names and layout: weight is out × in)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.wgrad_queue: WeightGradQueue | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return LinearFunction.apply(x, self.weight, self.bias, self.wgrad_queue)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -1,0 +1,60 @@
+"""Session-wide fixtures: persistent gloo worlds and config composition."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.harness import World
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def compose(overrides: list[str] | None = None):
+    """Compose conf/config.yaml with Hydra overrides, as the entry point would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def make_config(overrides: list[str] | None = None, *, run_dir: Path | str = "."):
+    """A parsed, validated Config (ValueError on a bad one)."""
+    from hpctrain.config import parse
+
+    return parse(compose(overrides), run_dir=str(run_dir))
+
+
+_worlds: dict[int, World] = {}
+
+
+def get_world(size: int) -> World:
+    if size not in _worlds:
+        _worlds[size] = World(size)
+    return _worlds[size]
+
+
+@pytest.fixture(scope="session")
+def world2() -> World:
+    return get_world(2)
+
+
+@pytest.fixture(scope="session")
+def world4() -> World:
+    return get_world(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for world in _worlds.values():
+        world.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_env():
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    yield

@@ -1,0 +1,90 @@
+"""Run functions in a persistent world of N gloo ranks (spawned, 1 thread each).
+
+Spawning a world costs seconds, so a `World` is started once per test session and reused: each
+`world.run(fn, *args)` ships `fn` (a module-level function, pickled by reference) to every rank
+and returns the per-rank results. Ranks rendezvous through a FileStore in a temp dir (no ports)
+and use a short process-group timeout, so a mismatched collective fails a test instead of
+hanging CI. A rank that raises marks the world broken; the next `run` starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any
+
+
+def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, size: int, *, timeout_s: float = 60.0):
+        self.size, self.timeout_s = size, timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix=f"world{self.size}-")
+        store = os.path.join(self._dir.name, "store")
+        self._inboxes = [ctx.Queue() for _ in range(self.size)]
+        self._outbox = ctx.Queue()
+        self._procs = [ctx.Process(target=_serve, daemon=True,
+                                   args=(r, self.size, store, self.timeout_s,
+                                         self._inboxes[r], self._outbox))
+                       for r in range(self.size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout_s: float = 300.0, **kwargs) -> list[Any]:
+        """fn(*args, **kwargs) on every rank; returns results ordered by rank."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for box in self._inboxes:
+            box.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(self.size):
+                rank, ok, value = self._outbox.get(timeout=timeout_s)
+                (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        except queue.Empty:
+            self.close()
+            raise TimeoutError(f"{fn.__name__} did not finish on all {self.size} ranks "
+                               f"within {timeout_s}s") from None
+        if errors:
+            self.close()  # a failed collective can leave peers in a bad state
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        for box, p in zip(getattr(self, "_inboxes", []), self._procs):
+            if p.is_alive():
+                box.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
