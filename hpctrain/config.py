@@ -8,6 +8,8 @@ rejects unknown keys (with a "did you mean"), and runs the cross-field checks in
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -147,8 +149,31 @@ def build(cls, group: str, values: dict[str, Any]):
             raise ValueError(
                 f"unknown key {group}.{key}; valid keys: {', '.join(names)}.{hint}"
             )
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _coerce(f"{group}.{k}", v, hints[k]) for k, v in values.items()}
     return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check a value against its field's type; lists become tuples, ints become floats."""
+    base = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        base = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(base) or base
+    if origin is tuple and isinstance(value, list | tuple):
+        return tuple(value)
+    if origin is dict and isinstance(value, dict):
+        return value
+    if origin is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if origin is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if origin in (str, bool) and isinstance(value, origin):
+        return value
+    raise ValueError(f"{key}={value!r} should be {getattr(origin, '__name__', origin)}")
 
 
 _GROUPS = {

@@ -141,10 +141,10 @@ def check_data(c: Config) -> list[str]:
 
 
 def check_device(c: Config) -> list[str]:
-    from hpctrain.distributed.device import resolve_device_type
+    from hpctrain.distributed.device import cuda_available, resolve_device_type
 
     device = resolve_device_type(c.cluster.device)
-    if c.cluster.device == "cuda" and device != "cuda":
+    if device == "cuda" and not cuda_available():
         return ["cluster.device=cuda but no CUDA device is visible: use cluster.device=auto"]
     if c.cluster.backend == "nccl" and device != "cuda":
         return ["cluster.backend=nccl needs CUDA devices: use cluster.backend=auto (gloo on CPU)"]

@@ -12,10 +12,14 @@ import sys
 import torch
 
 
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def resolve_device_type(requested: str) -> str:
     """'auto' → 'cuda' when a CUDA device is visible, else 'cpu'."""
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_available() else "cpu"
     return requested
 
 
