@@ -9,7 +9,7 @@ HT_MARK="hpctrain-local-slurm"
 export SLURM_CONF=$HT_CONF
 
 log() { echo "[hpctrain-slurm] $*" >&2; }
-die() { log "error: $*"; exit "${2:-1}"; }
+die() { log "error: $1"; exit "${2:-1}"; }
 
 # Alive = exists and not a zombie/dead. In sandboxes without a reaping init a killed daemon
 # lingers as a zombie, and `kill -0` still succeeds on it.
@@ -24,7 +24,7 @@ our_daemons() {
   local d pid cmd
   for d in /proc/[0-9]*; do
     pid=${d#/proc/}
-    cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
+    cmd=$(tr '\0' ' ' 2>/dev/null <"$d/cmdline") || continue
     [[ $cmd == *"-f $HT_CONF"* ]] || continue
     pid_alive "$pid" || continue
     set -- $cmd

@@ -127,9 +127,23 @@ start_daemons() {
   log "started slurmd n1..n$NODES"
 }
 
+# Every slurmd n1..nN registered with the controller at or after epoch $1. (After a restart the
+# controller reports saved node states at once, so "idle" alone does not prove a slurmd is up.)
+registered_since() {
+  local line node t i
+  local -A seen=()
+  while read -r line; do
+    node=$(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' <<<"$line")
+    t=$(sed -n 's/.* SlurmdStartTime=\([^ ]*\).*/\1/p' <<<"$line")
+    [[ -n $node && $t == 20* ]] || continue
+    (($(date -d "$t" +%s) >= $1)) && seen[$node]=1
+  done < <(timeout 10 scontrol -o show node 2>/dev/null)
+  for ((i = 1; i <= NODES; i++)); do [[ -n ${seen[n$i]:-} ]] || return 1; done
+}
+
 wait_ready() {
-  local deadline=$((SECONDS + TIMEOUT)) resumed=0
-  until nodes_ready "$NODES"; do
+  local since=$1 deadline=$((SECONDS + TIMEOUT)) resumed=0
+  until nodes_ready "$NODES" && registered_since "$since"; do
     if ((SECONDS >= deadline)); then
       log "cluster not ready after ${TIMEOUT} s; sinfo says:"
       node_states >&2 || true
@@ -146,7 +160,7 @@ wait_ready() {
 }
 
 main() {
-  local t0=$SECONDS new
+  local t0=$EPOCHREALTIME new since
   if have_packages && [[ -f $HT_CONF ]] && cmp -s <(render_conf) "$HT_CONF" && healthy; then
     log "already running: $NODES nodes x $CPUS CPUs (state in $HT_DIR)"
     return 0
@@ -160,10 +174,11 @@ main() {
   link_etc_conf
   ensure_munge
   stop_slurm_daemons
+  since=$(($(date +%s) - 1))
   if ((ACCOUNTING)); then source "$HERE/accounting.sh"; start_slurmdbd; fi
   start_daemons
-  wait_ready
-  log "up: $NODES nodes x $CPUS CPUs in $((SECONDS - t0)) s (state in $HT_DIR, conf $HT_CONF)"
+  wait_ready "$since"
+  log "up: $NODES nodes x $CPUS CPUs in $(awk "BEGIN {printf \"%.1f\", $EPOCHREALTIME - $t0}") s (state in $HT_DIR, conf $HT_CONF)"
 }
 
 main

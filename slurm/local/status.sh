@@ -8,7 +8,7 @@ echo "state dir: $HT_DIR"
 echo "munged:    $(munged_pid || echo 'not running')"
 daemons=$(our_daemons)
 echo "daemons:"
-sed 's/^/  /' <<<"${daemons:-  none}"
+sed 's/^/  /' <<<"${daemons:-none}"
 if [[ -f $HT_DIR/run/slurmdbd.pid ]] && pid_alive "$(<"$HT_DIR/run/slurmdbd.pid")"; then
   echo "  $(<"$HT_DIR/run/slurmdbd.pid") slurmdbd"
 fi

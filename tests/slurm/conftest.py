@@ -8,6 +8,7 @@ submitit cannot learn that a job died before writing its result and would wait f
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -48,10 +49,13 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 
 
-def _start_cluster(state_dir: Path) -> subprocess.CompletedProcess:
+@functools.cache
+def _start_cluster(state_dir: Path) -> tuple[int | None, str]:
+    """(exit status or None on timeout, stderr) of start.sh, run once per session: pytest
+    would otherwise retry a failed session fixture for every test that uses it."""
     env = {**os.environ, "HPCTRAIN_SLURM_DIR": str(state_dir)}
     try:
-        return subprocess.run(
+        proc = subprocess.run(
             ["bash", str(START_SH)],
             env=env,
             capture_output=True,
@@ -59,7 +63,8 @@ def _start_cluster(state_dir: Path) -> subprocess.CompletedProcess:
             timeout=START_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{START_SH} did not finish in {START_TIMEOUT_S} s:\n{e.stderr}")
+        return None, f"{START_SH} did not finish in {START_TIMEOUT_S} s:\n{e.stderr}"
+    return proc.returncode, proc.stderr
 
 
 @pytest.fixture(scope="session")
@@ -67,14 +72,15 @@ def slurm_cluster():
     """The local cluster (2 nodes x 4 CPUs), started if needed; clients pointed at its config."""
     state_dir = Path(os.environ.get("HPCTRAIN_SLURM_DIR", "/var/tmp/hpctrain-slurm"))
     t0 = time.monotonic()
-    proc = _start_cluster(state_dir)
-    if proc.returncode == CANNOT_RUN_HERE:
-        reason = f"local Slurm cluster unavailable: {proc.stderr.strip().splitlines()[-1]}"
+    returncode, stderr = _start_cluster(state_dir)
+    if returncode == CANNOT_RUN_HERE:
+        last_line = (stderr.strip().splitlines() or ["start.sh exited 3"])[-1]
+        reason = f"local Slurm cluster unavailable: {last_line}"
         if _in_ci():
             pytest.fail(f"{reason} (CI=true: failing instead of skipping)")
         pytest.skip(reason)
-    if proc.returncode != 0:
-        pytest.fail(f"{START_SH} failed (exit {proc.returncode}):\n{proc.stderr}")
+    if returncode != 0:
+        pytest.fail(f"{START_SH} failed (exit {returncode}):\n{stderr}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", str(state_dir / "slurm.conf"))
         for name in LEAKY_VARS:
