@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import subprocess
 import time
 from dataclasses import dataclass
@@ -54,9 +55,10 @@ def _start_cluster(state_dir: Path) -> tuple[int | None, str]:
     """(exit status or None on timeout, stderr) of start.sh, run once per session: pytest
     would otherwise retry a failed session fixture for every test that uses it."""
     env = {**os.environ, "HPCTRAIN_SLURM_DIR": str(state_dir)}
+    args = shlex.split(os.environ.get("HPCTRAIN_SLURM_ARGS", ""))
     try:
         proc = subprocess.run(
-            ["bash", str(START_SH)],
+            ["bash", str(START_SH), *args],
             env=env,
             capture_output=True,
             text=True,
@@ -69,7 +71,8 @@ def _start_cluster(state_dir: Path) -> tuple[int | None, str]:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The local cluster (2 nodes x 4 CPUs), started if needed; clients pointed at its config."""
+    """The local cluster, started if needed (2 nodes x 4 CPUs, or start.sh arguments from
+    HPCTRAIN_SLURM_ARGS, e.g. "--accounting"); Slurm clients pointed at its config."""
     state_dir = Path(os.environ.get("HPCTRAIN_SLURM_DIR", "/var/tmp/hpctrain-slurm"))
     t0 = time.monotonic()
     returncode, stderr = _start_cluster(state_dir)

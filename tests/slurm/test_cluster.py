@@ -120,8 +120,10 @@ def test_submitit_gloo_all_reduce_two_nodes(slurm_cluster, tmp_path, wait_job):
     assert [r["sum"] for r in results] == [10.0] * 4  # 1 + 2 + 3 + 4
 
 
-def test_wait_job_raises_for_a_cancelled_job(slurm_cluster, tmp_path, wait_job):
-    """Without accounting, submitit alone would wait forever for a cancelled job's result."""
+def test_cancelled_job_raises_instead_of_hanging(slurm_cluster, tmp_path, wait_job):
+    """Without accounting, submitit alone would wait forever for a cancelled job's result:
+    wait_job raises. With accounting (start.sh --accounting), submitit sees the CANCELLED state
+    and job.results() raises UncompletedJobError (a RuntimeError)."""
     submitit = pytest.importorskip("submitit")
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     executor.update_parameters(nodes=1, tasks_per_node=1, timeout_min=2, slurm_partition="debug")
@@ -129,6 +131,7 @@ def test_wait_job_raises_for_a_cancelled_job(slurm_cluster, tmp_path, wait_job):
     time.sleep(1.0)
     job.cancel()
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ended \(CANCELLED"):
+    with pytest.raises(RuntimeError, match=r"ended \(CANCELLED|has not produced any output"):
         wait_job(job, JOB_TIMEOUT_S)
+        job.results()
     assert time.monotonic() - t0 < 30
