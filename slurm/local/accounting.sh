@@ -8,7 +8,7 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local deadline=$((SECONDS + $1)) what=$2
   shift 2
   until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || { tail_logs 15; die "$what did not come up in time"; }
+    ((SECONDS < deadline)) || { tail_logs 15 "$NODES"; die "$what did not come up in time"; }
     sleep 0.2
   done
 }

@@ -84,11 +84,13 @@ nodes_ready() {
   done
 }
 
+# tail_logs LINES NODES: the last lines of the daemon logs, without the harmless pmix noise.
 tail_logs() {
-  local f
-  for f in "$HT_DIR"/log/*.log /var/log/munge/munged.log; do
+  local f i files=("$HT_DIR/log/slurmctld.log" "$HT_DIR/log/slurmdbd.log")
+  for ((i = 1; i <= $2; i++)); do files+=("$HT_DIR/log/slurmd-n$i.log"); done
+  for f in "${files[@]}" /var/log/munge/munged.log; do
     [[ -f $f ]] || continue
     echo "----- tail $f" >&2
-    tail -n "${1:-15}" "$f" >&2
+    grep -v -e 'pmix' -e 'MPI: Cannot create context' "$f" | tail -n "$1" >&2
   done
 }

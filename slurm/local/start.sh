@@ -147,7 +147,7 @@ wait_ready() {
     if ((SECONDS >= deadline)); then
       log "cluster not ready after ${TIMEOUT} s; sinfo says:"
       node_states >&2 || true
-      tail_logs 15
+      tail_logs 15 "$NODES"
       die "nodes n1..n$NODES did not become idle (see the logs above, in $HT_DIR/log)"
     fi
     # A node drained by an earlier unclean stop does not come back by itself.

@@ -36,7 +36,7 @@ FAILED_STATES = (
     "PREEMPTED",
     "COMPLETED",
 )
-NO_RESULT_GRACE_S = 10.0
+NO_RESULT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
