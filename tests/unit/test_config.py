@@ -48,7 +48,8 @@ def test_model_yaml_matches_preset(name):
 
 BAD = [
     # (overrides, substrings the single error message must contain)
-    (["parallel.dp=2"], ["parallel.dp=2", "= 2 ranks", "cluster.procs_per_node=1", "set parallel.dp=1"]),
+    (["parallel.dp=2"],
+     ["parallel.dp=2", "= 2 ranks", "cluster.procs_per_node=1", "set parallel.dp=1"]),
     (["cluster.procs_per_node=4"], ["set parallel.dp=4"]),
     (["model.n_heads=3"], ["model.dim=128 is not divisible by model.n_heads=3"]),
     (["model.n_kv_heads=3"], ["model.n_heads=4 is not divisible by model.n_kv_heads=3"]),

@@ -1,4 +1,4 @@
-"""The model: counts agree with the built model; attention backends agree; checkpointing is exact."""
+"""The model: counts match the built model; attention backends agree; checkpointing is exact."""
 
 from __future__ import annotations
 
