@@ -68,13 +68,18 @@ class World:
         errors: list[str] = []
         try:
             for _ in range(self.size):
-                rank, ok, value = self._outbox.get(timeout=timeout_s)
+                # Once a rank has failed, its peers are likely stuck in a collective: give
+                # them a short grace to report, then tear the world down.
+                wait = min(timeout_s, 15.0) if errors else timeout_s
+                rank, ok, value = self._outbox.get(timeout=wait)
                 if ok:
                     results[rank] = value
                 else:
                     errors.append(f"rank {rank}:\n{value}")
         except queue.Empty:
             self.close()
+            if errors:
+                raise AssertionError("\n".join(errors)) from None
             raise TimeoutError(f"{fn.__name__} did not finish on all {self.size} ranks "
                                f"within {timeout_s}s") from None
         if errors:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh, self.run_dir = cfg, mesh, Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, seed=t.seed)

@@ -1,0 +1,67 @@
+"""LR schedule, loss scaler, rank arithmetic and the environment reader."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hpctrain.config import OptimConfig
+from hpctrain.distributed.dims import ParallelDims
+from hpctrain.distributed.env import expand_nodelist, from_environ, slurm_port
+from hpctrain.train.optim import lr_at
+from hpctrain.train.scaler import LossScaler
+
+
+def test_lr_warmup_then_cosine_to_min():
+    o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(0, o, total_steps=110) == pytest.approx(0.1)
+    assert lr_at(9, o, total_steps=110) == pytest.approx(1.0)
+    assert lr_at(60, o, total_steps=110) == pytest.approx(0.55)
+    assert lr_at(110, o, total_steps=110) == pytest.approx(0.1)
+    values = [lr_at(s, o, total_steps=110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_loss_scaler_skips_halves_and_grows():
+    s = LossScaler(scale=1024.0, growth_interval=2)
+    assert s.found_overflow([torch.tensor([1.0, math.inf])])
+    assert not s.found_overflow([torch.tensor([1.0, 2.0])])
+    s.update(True)
+    assert s.scale == 512.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 1024.0
+    restored = LossScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.scale == s.scale
+
+
+def test_dims_tp_is_fastest_and_groups_partition_the_world():
+    d = ParallelDims(dp=2, tp=2, pp=2)
+    assert d.coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert d.group_ranks("tp", 5) == [4, 5]
+    assert d.group_ranks("dp", 5) == [5, 7]
+    assert d.group_ranks("pp", 5) == [1, 5]
+    for axis in ("pp", "dp", "tp"):
+        groups = d.all_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(8))
+    assert [r for r in range(8) if d.is_logging_rank(r)] == [4]
+
+
+def test_env_from_torchrun_and_slurm():
+    tr = from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                       "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert (tr.rank, tr.local_rank, tr.world_size, tr.master_addr, tr.source) == (
+        3, 1, 4, "h0", "torchrun")
+    sl = from_environ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+                       "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08,10]"})
+    assert (sl.rank, sl.local_rank, sl.world_size, sl.master_addr) == (5, 1, 8, "gpu07")
+    assert sl.master_port == slurm_port("4242") and 20000 <= sl.master_port < 40000
+    assert from_environ({}).source == "single"
+
+
+def test_expand_nodelist():
+    assert expand_nodelist("n[1-3,7],gpu[08-09],login") == [
+        "n1", "n2", "n3", "n7", "gpu08", "gpu09", "login"]
