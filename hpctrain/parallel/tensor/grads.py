@@ -36,7 +36,8 @@ def sync_tp_grads(params, plan: TensorParallelPlan) -> None:
         return
     params = [p for p in params if p.grad is not None]
     if plan.sp:
-        _sum_flat([p.grad for p in params if plan.replicas[id(p)] == plan.tp], plan)
+        _sum_flat([p.grad for p in params
+                   if plan.replicas[id(p)] == plan.tp and id(p) not in plan.kv_slots], plan)
     kv = [p for p in params if id(p) in plan.kv_slots]
     if kv:
         n_slots = plan.kv_slots[id(kv[0])][1]
