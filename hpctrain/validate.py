@@ -91,6 +91,9 @@ def check_model_shape(c: Config) -> list[str]:
     if m.n_kv_heads % tp and tp % m.n_kv_heads:
         errs.append(f"model.n_kv_heads={m.n_kv_heads} and parallel.tp={tp}: kv heads must be "
                     "divisible by tp (split) or divide tp (replicated)")
+    if m.ffn_dim % tp:
+        errs.append(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}: "
+                    "choose an ffn_dim that is a multiple of tp")
     if m.vocab_size % tp:
         errs.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}: "
                     "pad the vocabulary to a multiple of tp")
@@ -103,7 +106,8 @@ def check_model_shape(c: Config) -> list[str]:
                     f" lower train.seq_len or raise model.max_seq_len")
     if c.parallel.sp and c.train.seq_len % tp:
         errs.append(f"train.seq_len={c.train.seq_len} is not divisible by parallel.tp={tp}, "
-                    "required by parallel.sp=true")
+                    "required by parallel.sp=true: choose a seq_len that is a multiple of tp "
+                    "or set parallel.sp=false")
     return errs
 
 
@@ -159,8 +163,8 @@ def check_device(c: Config) -> list[str]:
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
-    todo = {"parallel.tp": p.tp > 1, "parallel.pp": p.pp > 1, "parallel.zero": p.zero > 0,
-            "parallel.sp": p.sp, "parallel.offload": p.offload != "none",
+    todo = {"parallel.pp": p.pp > 1, "parallel.zero": p.zero > 0,
+            "parallel.offload": p.offload != "none",
             "parallel.virtual_stages": p.virtual_stages > 1,
             "parallel.grad_comm_dtype": p.grad_comm_dtype != "fp32"}
     return [f"{k} is not implemented yet in this version of hpctrain: leave it at its default"

@@ -55,7 +55,8 @@ def allreduce_mean(tensors: Iterable[torch.Tensor], group) -> None:
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                n_micro: int, precision: str, scaler: LossScaler, dp_group,
-               grad_clip: float, reduce_grads: Callable | None = None) -> StepResult:
+               grad_clip: float, reduce_grads: Callable | None = None,
+               loss_fn: Callable = lm_loss, clip: Callable | None = None) -> StepResult:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     multiplier = scaler.loss_multiplier()
@@ -63,7 +64,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for inputs_BL, targets_BL in micro_batches:
         with autocast(precision, device):
             logits = model(inputs_BL.to(device))
-        loss = lm_loss(logits, targets_BL.to(device)) / n_micro
+        loss = loss_fn(logits, targets_BL.to(device)) / n_micro
         (loss * multiplier).backward()
         loss_sum += loss.detach().double()
     grads = [p.grad for p in params if p.grad is not None]
@@ -75,7 +76,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if not skipped:
         if multiplier != 1.0:
             torch._foreach_div_(grads, multiplier)
-        norm = _clip(params, grad_clip)
+        norm = (clip or _clip)(params, grad_clip)
         optimizer.step()
     # Keep the gradient buffers (zeroed) between steps: they are part of the steady-state
     # memory the ledger reports, and reallocating them every step costs time.
@@ -90,13 +91,14 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, batches, *, precision: str, dp_group) -> float:
+def eval_loss(model: torch.nn.Module, batches, *, precision: str, dp_group,
+              loss_fn: Callable = lm_loss) -> float:
     losses = []
     device = next(model.parameters()).device
     for inputs_BL, targets_BL in batches:
         with autocast(precision, device):
             logits = model(inputs_BL.to(device))
-        losses.append(lm_loss(logits, targets_BL.to(device)).double())
+        losses.append(loss_fn(logits, targets_BL.to(device)).double())
     mean = torch.stack(losses).mean()
     allreduce_mean([mean], dp_group)
     return float(mean)

@@ -31,6 +31,12 @@ from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.prepare import prepare
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import eval_loss, train_step
+from hpctrain.train.tensor_parallel import (
+    setup_tensor_parallel,
+    take_comm_bytes,
+    tp_eval_hooks,
+    tp_step_hooks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +48,10 @@ class Trainer:
         t = cfg.train
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, seed=t.seed)
+        self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)
         apply_activation_checkpointing(self.model, t.activation_checkpointing)
         self.model.to(mesh.device)
+        self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
         self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
@@ -95,18 +103,20 @@ class Trainer:
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
+        take_comm_bytes(self.tp_plan)  # drop what eval sent since the last step
         t0 = time.perf_counter()
         result = train_step(self.model, self.optimizer, self.micro_batches(step),
                             n_micro=cfg.grad_accum, precision=cfg.train.precision,
                             scaler=self.scaler, dp_group=self.mesh.group("dp"),
-                            grad_clip=cfg.train.grad_clip)
+                            grad_clip=cfg.train.grad_clip, **self.tp_hooks)
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "step_time_s": dt, "tokens_per_s": tokens_per_s,
                 "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
-                           n_devices=self.mesh.dims.world_size, peak_flops=self.peak)}
+                           n_devices=self.mesh.dims.world_size, peak_flops=self.peak),
+                **take_comm_bytes(self.tp_plan)}
 
     def memory_metrics(self) -> dict[str, int]:
         ledger = model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer))
@@ -139,7 +149,8 @@ class Trainer:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             metrics["eval_loss"] = eval_loss(self.model, self.eval_batches(),
-                                             precision=t.precision, dp_group=self.mesh.group("dp"))
+                                             precision=t.precision, dp_group=self.mesh.group("dp"),
+                                             **tp_eval_hooks(self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()

@@ -1,0 +1,58 @@
+"""Cross entropy over vocabulary-sharded logits, never gathering the full vocabulary.
+
+Legend: T tokens (B·L flattened), v = V/tp local vocabulary, rank r holds columns [r·v, (r+1)·v).
+With m_t = max_V z_t (all-reduce MAX), S_t = Σ_V exp(z_t − m_t) and the target logit
+z_t[y_t] (one all-reduce SUM of both; only the rank owning y_t contributes it):
+    loss = mean_t (log S_t − (z_t[y_t] − m_t))
+    ∂loss/∂z_t = (softmax(z_t) − onehot(y_t)) / T, computed locally on each rank's columns.
+The computation is in fp32 (fp64 if the logits are fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.parallel.tensor.comm import CommCounter, _rank, all_reduce
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_Tv, targets_T, group, counter):
+        dtype = torch.promote_types(logits_Tv.dtype, torch.float32)
+        z_Tv = logits_Tv.to(dtype)
+        v = z_Tv.shape[-1]
+        m_T = all_reduce(z_Tv.max(dim=-1).values, group=group, counter=counter,
+                         op=dist.ReduceOp.MAX)
+        exp_Tv = torch.exp(z_Tv - m_T.unsqueeze(-1))
+        local_T = targets_T - _rank(group) * v
+        mine_T = (local_T >= 0) & (local_T < v)
+        local_T = local_T.masked_fill(~mine_T, 0)
+        target_T = z_Tv.gather(-1, local_T.unsqueeze(-1)).squeeze(-1) * mine_T
+        sums_2T = all_reduce(torch.stack([exp_Tv.sum(-1), target_T]), group=group,
+                             counter=counter)
+        sum_T, target_T = sums_2T[0], sums_2T[1]
+        loss = (torch.log(sum_T) - (target_T - m_T)).mean()
+        ctx.save_for_backward(exp_Tv, sum_T, local_T, mine_T)
+        ctx.logits_dtype = logits_Tv.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp_Tv, sum_T, local_T, mine_T = ctx.saved_tensors
+        g_Tv = exp_Tv / sum_T.unsqueeze(-1)
+        g_Tv.scatter_add_(-1, local_T.unsqueeze(-1), -mine_T.to(g_Tv.dtype).unsqueeze(-1))
+        g_Tv *= grad / g_Tv.shape[0]
+        return g_Tv.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_BLv: torch.Tensor, targets_BL: torch.Tensor, *, group,
+                                 counter: CommCounter | None = None) -> torch.Tensor:
+    """Mean next-token cross entropy from this rank's vocabulary shard of the logits.
+
+    Equals F.cross_entropy(gather(logits), targets) but communicates 3·T numbers, not T·V."""
+    if group is None or dist.get_world_size(group) == 1:
+        dtype = torch.promote_types(logits_BLv.dtype, torch.float32)
+        return torch.nn.functional.cross_entropy(logits_BLv.flatten(0, 1).to(dtype),
+                                                 targets_BL.flatten())
+    return _VocabParallelCE.apply(logits_BLv.flatten(0, 1), targets_BL.flatten(), group, counter)

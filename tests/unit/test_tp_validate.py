@@ -1,0 +1,30 @@
+"""Configuration errors for tensor parallelism name the values and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_config
+
+BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "cluster.procs_per_node=4",
+        "parallel.tp=4"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.n_heads=2", "model.n_kv_heads=2"],
+     r"model.n_heads=2 is not divisible by parallel.tp=4: choose tp among the divisors"),
+    (["model.n_kv_heads=3", "model.n_heads=12", "model.dim=48"],
+     r"model.n_kv_heads=3 and parallel.tp=4: kv heads must be divisible by tp"),
+    (["model.vocab_size=510"], r"model.vocab_size=510 is not divisible by parallel.tp=4: pad"),
+    (["model.ffn_dim=98"], r"model.ffn_dim=98 is not divisible by parallel.tp=4: choose"),
+    (["parallel.sp=true", "train.seq_len=62"],
+     r"train.seq_len=62 is not divisible by parallel.tp=4.*multiple of tp or set parallel.sp"),
+])
+def test_tp_shape_errors(overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        make_config(BASE + overrides, run_dir=tmp_path)
+
+
+def test_tp_and_sp_accepted(tmp_path):
+    cfg = make_config(BASE + ["parallel.sp=true"], run_dir=tmp_path)
+    assert cfg.parallel.tp == 4 and cfg.parallel.sp
