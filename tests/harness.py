@@ -69,7 +69,10 @@ class World:
         try:
             for _ in range(self.size):
                 rank, ok, value = self._outbox.get(timeout=timeout_s)
-                (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
         except queue.Empty:
             self.close()
             raise TimeoutError(f"{fn.__name__} did not finish on all {self.size} ranks "
@@ -80,7 +83,7 @@ class World:
         return [results[r] for r in range(self.size)]
 
     def close(self) -> None:
-        for box, p in zip(getattr(self, "_inboxes", []), self._procs):
+        for box, p in zip(getattr(self, "_inboxes", []), self._procs, strict=False):
             if p.is_alive():
                 box.put(None)
         for p in self._procs:
