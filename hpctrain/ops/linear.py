@@ -91,7 +91,8 @@ class LinearFunction(torch.autograd.Function):
         queue = ctx.queue
         if queue is not None and queue.deferring:
             def deferred():
-                gw, gb = weight_grad()
+                with torch.no_grad():  # runs outside autograd's backward: build no graph
+                    gw, gb = weight_grad()
                 _accumulate(weight, gw)
                 if gb is not None:
                     _accumulate(bias, gb)
