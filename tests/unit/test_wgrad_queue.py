@@ -25,3 +25,4 @@ def test_queue_runs_per_tag_and_matches_plain_backward():
     assert queue.run(0) == 1 and queue.pending(0) == 0 and len(queue) == 1
     assert queue.run_all() == 1
     torch.testing.assert_close(lin.weight.grad, want)
+    assert not lin.weight.grad.requires_grad  # deferred closures run outside autograd
