@@ -58,6 +58,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     bucket_mb: float = 25.0
     grad_comm_dtype: str = "fp32"  # fp32 | bf16 | fp16 (on the wire; fp32 accumulation)
+    timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
 
     @property
     def world_size(self) -> int:

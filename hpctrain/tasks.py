@@ -14,11 +14,20 @@ def train_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     return Trainer(cfg, mesh).run()
 
 
+def simulate_task(cfg: Config) -> dict[str, Any]:
+    from hpctrain.parallel.pipeline.sim_task import run_simulate
+
+    return run_simulate(cfg)
+
+
 RANK_TASKS = {"train": train_task}
+ONCE_TASKS = {"simulate": simulate_task}  # analytical: run once in this process, no ranks
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Prepare shared inputs once, then launch the ranks with the chosen launcher."""
+    """Run an analytical task here, or prepare shared inputs once and launch the ranks."""
+    if cfg.task in ONCE_TASKS:
+        return ONCE_TASKS[cfg.task](cfg)
     from hpctrain.launch.local import launch_local
     from hpctrain.train.prepare import prepare
 

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
-SCHEDULE_NAMES = ("gpipe", *ONE_F_ONE_B_FAMILY)
+TASKS = ("train", "simulate")
 Check = Callable[[Config], list[str]]
 
 
@@ -30,11 +30,12 @@ def _choice(key: str, value, allowed) -> list[str]:
 
 def check_choices(c: Config) -> list[str]:
     from hpctrain.ops.attention import ATTENTION_BACKENDS
+    from hpctrain.parallel.pipeline.schedules import SCHEDULES
 
     return [
-        *_choice("task", c.task, ("train",)),
+        *_choice("task", c.task, TASKS),
         *_choice("model.attention", c.model.attention, tuple(ATTENTION_BACKENDS)),
-        *_choice("parallel.schedule", c.parallel.schedule, SCHEDULE_NAMES),
+        *_choice("parallel.schedule", c.parallel.schedule, tuple(SCHEDULES)),
         *_choice("train.precision", c.train.precision, PRECISIONS),
         *_choice("train.activation_checkpointing", c.train.activation_checkpointing, CHECKPOINTING),
         *_choice("cluster.launcher", c.cluster.launcher, ("local", "slurm")),
@@ -98,9 +99,13 @@ def check_model_shape(c: Config) -> list[str]:
         errs.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}: "
                     "pad the vocabulary to a multiple of tp")
     stages = c.parallel.pp * c.parallel.virtual_stages
+    if c.parallel.schedule == "zbv":  # always 2 chunks per rank
+        stages = 2 * c.parallel.pp
     if m.n_layers % stages:
-        errs.append(f"model.n_layers={m.n_layers} is not divisible by parallel.pp={c.parallel.pp}"
-                    f" × parallel.virtual_stages={c.parallel.virtual_stages} = {stages}")
+        errs.append(f"model.n_layers={m.n_layers} is not divisible by the {stages} pipeline "
+                    f"stages of parallel.pp={c.parallel.pp}, parallel.schedule="
+                    f"{c.parallel.schedule}, parallel.virtual_stages={c.parallel.virtual_stages}:"
+                    f" choose pp and virtual_stages whose product divides the layer count")
     if c.train.seq_len > m.max_seq_len:
         errs.append(f"train.seq_len={c.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}:"
                     f" lower train.seq_len or raise model.max_seq_len")
@@ -163,20 +168,63 @@ def check_device(c: Config) -> list[str]:
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
-    todo = {"parallel.pp": p.pp > 1, "parallel.zero": p.zero > 0,
-            "parallel.offload": p.offload != "none",
-            "parallel.virtual_stages": p.virtual_stages > 1,
+    todo = {"parallel.zero": p.zero > 0, "parallel.offload": p.offload != "none",
+            "parallel.tp > 1 together with parallel.pp > 1": p.tp > 1 and p.pp > 1,
             "parallel.grad_comm_dtype": p.grad_comm_dtype != "fp32"}
     return [f"{k} is not implemented yet in this version of hpctrain: leave it at its default"
             for k, on in todo.items() if on]
 
 
+def check_pipeline(c: Config) -> list[str]:
+    """pp > 1: the schedule must build for (pp, microbatches, virtual_stages), and the features
+    the pipeline runtime does not combine with yet are refused."""
+    p = c.parallel
+    if p.pp == 1:
+        if p.virtual_stages != 1 or p.timeline:
+            return ["parallel.virtual_stages and parallel.timeline need parallel.pp > 1: "
+                    "set parallel.pp or leave them at their defaults (1, false)"]
+        return []
+    from hpctrain.parallel.pipeline.schedules import build_schedule
+
+    errs = []
+    try:
+        build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
+                       virtual_stages=p.virtual_stages)
+    except ValueError as err:
+        errs.append(str(err))
+    if c.model.tied_embeddings:
+        errs.append("model.tied_embeddings=true cannot be split across pipeline stages: set "
+                    "model.tied_embeddings=false or parallel.pp=1")
+    if c.train.activation_checkpointing != "none":
+        errs.append(f"train.activation_checkpointing={c.train.activation_checkpointing} is not "
+                    "implemented with parallel.pp > 1 yet: set it to none")
+    return errs
+
+
+def check_simulate(c: Config) -> list[str]:
+    """task=simulate: the schedule and the simulate.* costs."""
+    from hpctrain.parallel.pipeline.sim_task import simulate_costs, simulated_schedule
+
+    errs = []
+    for fn in (simulated_schedule, simulate_costs):
+        try:
+            fn(c)
+        except ValueError as err:
+            errs.append(str(err))
+    return errs
+
+
 CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_model_shape,
-                             check_batch, check_data, check_device, check_not_built)
+                             check_batch, check_data, check_device, check_not_built,
+                             check_pipeline)
+# task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
+TASK_CHECKS: dict[str, tuple[Check, ...]] = {
+    "simulate": (check_choices, check_positive, check_simulate),
+}
 
 
 def validate(c: Config) -> None:
-    errors = [e for check in CHECKS for e in check(c)]
+    errors = [e for check in TASK_CHECKS.get(c.task, CHECKS) for e in check(c)]
     if errors:
         bullet = "\n  - "
         raise ValueError(f"invalid configuration ({len(errors)} problem(s)):{bullet}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -23,24 +23,33 @@ from torch import nn
 
 
 class WeightGradQueue:
-    """FIFO of deferred weight-gradient computations. `deferring` is switched on by a pipeline
-    stage around a B action; `run_all` (a W action) computes and accumulates them."""
+    """Deferred weight-gradient computations, filed under a tag (a pipeline stage uses the
+    microbatch). `deferring` and `tag` are set by the stage around a B action; `run(tag)` (a W
+    action) computes and accumulates that tag's entries in FIFO order, `run_all` every tag's."""
 
     def __init__(self):
         self.deferring = False
-        self._pending: deque[Callable[[], None]] = deque()
+        self.tag: Hashable = None
+        self._pending: dict[Hashable, deque[Callable[[], None]]] = {}
 
     def put(self, fn: Callable[[], None]) -> None:
-        self._pending.append(fn)
+        self._pending.setdefault(self.tag, deque()).append(fn)
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return sum(len(q) for q in self._pending.values())
+
+    def pending(self, tag: Hashable) -> int:
+        return len(self._pending.get(tag, ()))
+
+    def run(self, tag: Hashable) -> int:
+        fns = self._pending.pop(tag, deque())
+        n = len(fns)
+        while fns:
+            fns.popleft()()
+        return n
 
     def run_all(self) -> int:
-        n = len(self._pending)
-        while self._pending:
-            self._pending.popleft()()
-        return n
+        return sum(self.run(tag) for tag in list(self._pending))
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -82,7 +91,8 @@ class LinearFunction(torch.autograd.Function):
         queue = ctx.queue
         if queue is not None and queue.deferring:
             def deferred():
-                gw, gb = weight_grad()
+                with torch.no_grad():  # runs outside autograd's backward: build no graph
+                    gw, gb = weight_grad()
                 _accumulate(weight, gw)
                 if gb is not None:
                     _accumulate(bias, gb)

@@ -28,6 +28,7 @@ from hpctrain.train import checkpoint as ckpt
 from hpctrain.train.data import Sampler, TokenDataset, batch
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
+from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.prepare import prepare
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import eval_loss, train_step
@@ -47,10 +48,15 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, seed=t.seed)
-        self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)
-        apply_activation_checkpointing(self.model, t.activation_checkpointing)
-        self.model.to(mesh.device)
+        self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
+        if self.pipeline is not None:
+            self.model = self.pipeline.local  # this rank's stages, under the full model's names
+            self.tp_plan = None
+        else:
+            self.model = build_model(cfg.model, seed=t.seed)
+            self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)
+            apply_activation_checkpointing(self.model, t.activation_checkpointing)
+            self.model.to(mesh.device)
         self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
         self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
@@ -105,10 +111,14 @@ class Trainer:
         set_lr(self.optimizer, lr)
         take_comm_bytes(self.tp_plan)  # drop what eval sent since the last step
         t0 = time.perf_counter()
-        result = train_step(self.model, self.optimizer, self.micro_batches(step),
-                            n_micro=cfg.grad_accum, precision=cfg.train.precision,
-                            scaler=self.scaler, dp_group=self.mesh.group("dp"),
-                            grad_clip=cfg.train.grad_clip, **self.tp_hooks)
+        if self.pipeline is not None:
+            result, step_extra = self._pipeline_step(step)
+        else:
+            result, step_extra = train_step(
+                self.model, self.optimizer, self.micro_batches(step), n_micro=cfg.grad_accum,
+                precision=cfg.train.precision, scaler=self.scaler,
+                dp_group=self.mesh.group("dp"), grad_clip=cfg.train.grad_clip,
+                **self.tp_hooks), {}
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
@@ -116,7 +126,13 @@ class Trainer:
                 "skipped": result.skipped, "step_time_s": dt, "tokens_per_s": tokens_per_s,
                 "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
                            n_devices=self.mesh.dims.world_size, peak_flops=self.peak),
-                **take_comm_bytes(self.tp_plan)}
+                **take_comm_bytes(self.tp_plan), **step_extra}
+
+    def _pipeline_step(self, step: int):
+        """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
+        needs the tokens, the last the targets) and runs its schedule (hpctrain.train.pipeline)."""
+        return self.pipeline.train_step(self.optimizer, self.micro_batches(step),
+                                        scaler=self.scaler, grad_clip=self.cfg.train.grad_clip)
 
     def memory_metrics(self) -> dict[str, int]:
         ledger = model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer))
@@ -142,15 +158,18 @@ class Trainer:
                     prof.step()
                 if t.stop_after is not None and self.step >= t.stop_after:
                     break
+        if self.pipeline is not None and self.cfg.parallel.timeline:
+            extra.update(self.pipeline.write_timeline(self.run_dir, step=self.step) or {})
         extra["checkpoint"] = str(self.save())
         return self._finish(loggers, extra) if logging_rank else {}
 
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            metrics["eval_loss"] = eval_loss(self.model, self.eval_batches(),
-                                             precision=t.precision, dp_group=self.mesh.group("dp"),
-                                             **tp_eval_hooks(self.tp_hooks))
+            metrics["eval_loss"] = (
+                self.pipeline.eval_loss(self.eval_batches()) if self.pipeline is not None else
+                eval_loss(self.model, self.eval_batches(), precision=t.precision,
+                          dp_group=self.mesh.group("dp"), **tp_eval_hooks(self.tp_hooks)))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()

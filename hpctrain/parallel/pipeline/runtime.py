@@ -1,0 +1,166 @@
+"""The pipeline runtime: interprets one rank's lowered action list, in order, and nothing more.
+
+The order, the split of the backward and the placement of sends and receives all come from the
+(lowered) `Schedule`; the runtime makes no scheduling decision. Per action:
+
+  F(s, i)       stage s forward of microbatch i; stashes its input (a grad-requiring leaf) and
+                output. The last stage computes loss_i / m (m microbatches), so the summed loss
+                and the gradients are those of the mean loss over the whole batch.
+  B(s, i)       backward of the stash with the stage's WeightGradQueue deferring under tag i:
+                only input gradients (and the non-Linear parameters') are computed now.
+  W(s, i)       runs the queued weight gradients of microbatch i.
+  BW(s, i)      full backward (nothing deferred).
+  SEND_*/RECV_* tagged isend / blocking recv (hpctrain.distributed.comm). Received shapes are
+                known: (micro_batch, seq_len, dim) in the parameters' dtype.
+
+A produced tensor goes to a mailbox keyed (kind, receiving stage, microbatch): a SEND takes it
+from there, or — when the neighbour stage lives on this rank (zbv) — the next F/B does.
+Activations are dropped from the stash as soon as their backward has run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hpctrain.distributed.comm import Outbox, message_tag, recv
+from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
+from hpctrain.parallel.pipeline.stage import LocalStages
+from hpctrain.train.step import autocast
+
+K = ActionKind
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # inputs_BL, targets_BL
+
+
+@dataclass
+class PipelineResult:
+    loss_sum: torch.Tensor | None  # Σ_i loss_i / m in fp64 on the last stage's rank, else None
+    timeline: list[tuple[float, float, Action]] = field(default_factory=list)  # compute, seconds
+
+
+@dataclass
+class _StepState:
+    micro_batches: Sequence[MicroBatch]
+    start: float
+    inputs: dict = field(default_factory=dict)  # (stage, mb) → stage input
+    outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
+    mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
+    outbox: Outbox = field(default_factory=Outbox)
+    loss_sum: torch.Tensor | None = None
+    timeline: list = field(default_factory=list)
+
+
+class PipelineRuntime:
+    """Runs `schedule.actions[pp_rank]` (lowered) on this rank's `local` stages.
+
+    `peers[r]` is the global rank of pipeline rank r (this rank's pp group, in pp order);
+    `act_shape` is (micro_batch, seq_len, dim) of the hidden states passed between stages.
+    """
+
+    def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
+                 peers: Sequence[int], act_shape: tuple[int, int, int], precision: str = "fp32",
+                 loss_multiplier: float = 1.0):
+        self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
+        self.actions = schedule.actions[pp_rank]
+        self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
+        self.loss_multiplier = loss_multiplier
+        param = next(local.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
+                          K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
+                          K.RECV_F: self._recv, K.RECV_B: self._recv}
+
+    def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None
+             ) -> PipelineResult:
+        """Execute this rank's actions for one batch of m microbatches; gradients accumulate
+        into the stage parameters' `.grad`. Times are relative to `start` (default: now)."""
+        m = self.schedule.n_microbatches
+        if len(micro_batches) != m:
+            raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
+                             f"{len(micro_batches)} were given: pass exactly {m}")
+        st = _StepState(micro_batches, time.perf_counter() if start is None else start)
+        for action in self.actions:
+            if action.kind.is_compute:
+                t0 = time.perf_counter() - st.start
+                self._handlers[action.kind](st, action)
+                st.timeline.append((t0, time.perf_counter() - st.start, action))
+            else:
+                self._handlers[action.kind](st, action)
+        st.outbox.wait_all()
+        self._check_drained(st)
+        return PipelineResult(st.loss_sum, st.timeline)
+
+    def _check_drained(self, st: _StepState) -> None:
+        queued = {s: len(stage.wgrad_queue) for s, stage in self.local.stages.items()}
+        left = {"stashed activations": len(st.outputs), "undelivered messages": len(st.mail),
+                "queued weight gradients": sum(queued.values())}
+        if any(left.values()):
+            raise RuntimeError(f"schedule {self.schedule.name!r} rank {self.pp_rank} ended the "
+                               f"step with {left}: the action list is incomplete")
+
+    # -- compute ---------------------------------------------------------------------------
+    def _forward(self, st: _StepState, a: Action) -> None:
+        stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
+        inputs_BL, targets_BL = st.micro_batches[a.microbatch]
+        if stage.is_first:
+            x = inputs_BL.to(self.device)
+        else:
+            x = st.mail.pop(("F", a.stage, a.microbatch)).requires_grad_()
+        with autocast(self.precision, self.device):
+            out = stage(x, targets_BL.to(self.device) if stage.is_last else None)
+        if stage.is_last:
+            loss = out / self.schedule.n_microbatches
+            st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)
+            out = loss * self.loss_multiplier
+        else:
+            st.mail["F", a.stage + 1, a.microbatch] = out.detach()
+        st.inputs[key], st.outputs[key] = x, out
+
+    def _backward(self, st: _StepState, a: Action) -> None:
+        stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
+        x, out = st.inputs.pop(key), st.outputs.pop(key)
+        grad = None if stage.is_last else st.mail.pop(("B", a.stage, a.microbatch))
+        queue = stage.wgrad_queue
+        queue.deferring, queue.tag = a.kind is K.B, a.microbatch
+        try:
+            torch.autograd.backward(out, grad_tensors=grad)
+        finally:
+            queue.deferring, queue.tag = False, None
+        if not stage.is_first:
+            st.mail["B", a.stage - 1, a.microbatch] = x.grad
+
+    def _weight_grad(self, st: _StepState, a: Action) -> None:
+        self.local.stages[a.stage].wgrad_queue.run(a.microbatch)
+
+    # -- communication ---------------------------------------------------------------------
+    def _route(self, a: Action) -> tuple[str, int, int]:
+        """(message kind, receiving stage, peer stage) of a SEND/RECV action."""
+        if a.kind is K.SEND_F:
+            return "F", a.stage + 1, a.stage + 1
+        if a.kind is K.SEND_B:
+            return "B", a.stage - 1, a.stage - 1
+        if a.kind is K.RECV_F:
+            return "F", a.stage, a.stage - 1
+        return "B", a.stage, a.stage + 1
+
+    def _send(self, st: _StepState, a: Action) -> None:
+        kind, to_stage, peer_stage = self._route(a)
+        tensor = st.mail.pop((kind, to_stage, a.microbatch))
+        tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                          n_stages=self.schedule.n_stages)
+        st.outbox.send(tensor, dst=self._peer(peer_stage), tag=tag)
+
+    def _recv(self, st: _StepState, a: Action) -> None:
+        kind, to_stage, peer_stage = self._route(a)
+        tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                          n_stages=self.schedule.n_stages)
+        st.mail[kind, to_stage, a.microbatch] = recv(
+            self.act_shape, dtype=self.dtype, device=self.device, src=self._peer(peer_stage),
+            tag=tag)
+
+    def _peer(self, stage: int) -> int:
+        return self.peers[self.schedule.stage_to_rank[stage]]
+

@@ -1,0 +1,71 @@
+"""task=simulate: simulate the configured pipeline schedule once (no ranks) and report it.
+
+Reads parallel.pp, parallel.schedule, parallel.virtual_stages and parallel.microbatches (when
+unset: train.global_batch_size / (micro_batch_size × dp)), and the costs simulate.t_f, t_b, t_w,
+t_comm (defaults 1, 1, 1, 0). Writes `simulation.json` (the `simulation_report` plus the
+schedule as CSV) and `timeline.png` into the run directory and logs a short table.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import numbers
+from pathlib import Path
+from typing import Any
+
+from hpctrain.config import Config
+from hpctrain.parallel.pipeline.actions import Schedule
+from hpctrain.parallel.pipeline.report import format_table, simulation_report
+from hpctrain.parallel.pipeline.schedules import build_schedule
+from hpctrain.parallel.pipeline.simulate import simulate
+from hpctrain.parallel.pipeline.timeline import draw_timeline
+
+log = logging.getLogger(__name__)
+DEFAULT_COSTS = {"t_f": 1.0, "t_b": 1.0, "t_w": 1.0, "t_comm": 0.0}
+
+
+def simulate_costs(cfg: Config) -> dict[str, float]:
+    """The `simulate` group (from Config.extra) checked: known keys, non-negative numbers,
+    t_f + t_b + t_w > 0. Raises ValueError naming the key and the fix."""
+    raw = cfg.extra.get("simulate") or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"simulate={raw!r} must be a group with keys {', '.join(DEFAULT_COSTS)}")
+    for key in raw:
+        if key not in DEFAULT_COSTS:
+            close = difflib.get_close_matches(key, list(DEFAULT_COSTS), n=1)
+            hint = f" Did you mean simulate.{close[0]}?" if close else ""
+            raise ValueError(f"unknown key simulate.{key}; valid keys: "
+                             f"{', '.join(DEFAULT_COSTS)}.{hint}")
+    costs = {**DEFAULT_COSTS, **raw}
+    for key, value in costs.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ValueError(f"simulate.{key}={value!r} must be a number >= 0")
+    if costs["t_f"] + costs["t_b"] + costs["t_w"] <= 0:
+        raise ValueError("simulate.t_f + simulate.t_b + simulate.t_w must be > 0: give the "
+                         "compute costs of one stage-microbatch")
+    return {k: float(v) for k, v in costs.items()}
+
+
+def simulated_schedule(cfg: Config) -> Schedule:
+    """The configured schedule (ValueError from build_schedule on a bad combination)."""
+    p = cfg.parallel
+    microbatches = p.microbatches if p.microbatches is not None else cfg.grad_accum
+    return build_schedule(p.schedule, pp=p.pp, microbatches=microbatches,
+                          virtual_stages=p.virtual_stages)
+
+
+def run_simulate(cfg: Config) -> dict[str, Any]:
+    schedule, costs = simulated_schedule(cfg), simulate_costs(cfg)
+    result = simulate(schedule, **costs)
+    report = simulation_report(schedule, result, costs=costs)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    png = draw_timeline(result.boxes(), run_dir / "timeline.png",
+                        title=f"{schedule.name}: pp={schedule.n_ranks}, "
+                              f"m={schedule.n_microbatches}, bubble {result.bubble_rate:.3f}")
+    out = {**report, "timeline_png": str(png), "schedule_csv": schedule.to_csv()}
+    (run_dir / "simulation.json").write_text(json.dumps(out, indent=2))
+    log.info("pipeline simulation (%s):\n%s", run_dir / "simulation.json", format_table(report))
+    return out

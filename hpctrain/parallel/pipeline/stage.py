@@ -1,0 +1,103 @@
+"""Pipeline stages: the Transformer cut by layer, with the full model's parameter names.
+
+Stage s of S holds layers [s·L/S, (s+1)·L/S); stage 0 also holds `tok_embeddings`, stage S-1 the
+final `norm`, the `output` head and the loss. Blocks are the Transformer's own `Block`s, kept in
+a ModuleDict keyed by their global index, so a stage's parameter names (`layers.5.attn.wq.weight`)
+and — through the name-keyed init — its values equal the single-process model's. Checkpoints and
+comparisons therefore line up across pipeline layouts.
+
+Legend: B micro-batch, L sequence, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hpctrain.models.config import ModelConfig
+from hpctrain.models.init import init_weights
+from hpctrain.models.llama import Block
+from hpctrain.ops.linear import Linear, WeightGradQueue
+from hpctrain.ops.norms import RMSNorm
+from hpctrain.ops.rope import rope_tables
+from hpctrain.train.step import lm_loss
+
+
+def stage_layers(stage: int, *, n_stages: int, n_layers: int) -> range:
+    """Layer indices of `stage`: [s·L/S, (s+1)·L/S)."""
+    if n_layers % n_stages:
+        raise ValueError(f"model.n_layers={n_layers} is not divisible by {n_stages} pipeline "
+                         f"stages (pp × virtual_stages): choose a divisor of the layer count")
+    per = n_layers // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+class PipelineStage(nn.Module):
+    """tokens_BL (stage 0) or h_BLD → h_BLD, or on the last stage → mean loss over tokens.
+
+    Owns a `WeightGradQueue` attached to all its hpctrain Linears, so the runtime can defer the
+    weight gradients of a B action and run them in the matching W action.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, stage: int, n_stages: int, seed: int):
+        super().__init__()
+        if cfg.tied_embeddings and n_stages > 1:
+            raise ValueError("model.tied_embeddings=true cannot be split across pipeline "
+                             "stages: set model.tied_embeddings=false or parallel.pp=1")
+        self.cfg, self.stage, self.n_stages = cfg, stage, n_stages
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        idx = stage_layers(stage, n_stages=n_stages, n_layers=cfg.n_layers)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in idx})
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if self.is_last else None
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
+        init_weights(self, cfg, seed=seed)
+        self.wgrad_queue = WeightGradQueue()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.wgrad_queue = self.wgrad_queue
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].device != device:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
+                                   theta=self.cfg.rope_theta)
+            self._rope = (cos.to(device), sin.to(device))
+        return self._rope
+
+    def forward(self, x: torch.Tensor, targets_BL: torch.Tensor | None = None) -> torch.Tensor:
+        h_BLD = self.tok_embeddings(x) if self.is_first else x
+        rope = self.rope(h_BLD.device)
+        for block in self.layers.values():
+            h_BLD = block(h_BLD, rope)
+        if not self.is_last:
+            return h_BLD
+        logits_BLV = self.output(self.norm(h_BLD))
+        if targets_BL is None:
+            return logits_BLV
+        return lm_loss(logits_BLV, targets_BL)
+
+
+class LocalStages(nn.Module):
+    """The stages one rank holds, exposed under the full model's names.
+
+    Registers the stages' `tok_embeddings`, `layers.<i>`, `norm` and `output` directly (the same
+    module objects), so `named_parameters`, `state_dict` and DCP checkpoints use the
+    single-process names; `stages` maps stage index → PipelineStage for the runtime.
+    """
+
+    def __init__(self, stages: dict[int, PipelineStage]):
+        super().__init__()
+        self.stages = dict(sorted(stages.items()))  # a plain dict: not registered twice
+        self.layers = nn.ModuleDict()
+        for st in self.stages.values():
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(st, name) is not None:
+                    self.add_module(name, getattr(st, name))
+            self.layers.update(st.layers)
+
+
+def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int) -> LocalStages:
+    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised."""
+    stages = {s: PipelineStage(cfg, stage=s, n_stages=n_stages, seed=seed) for s in stage_ids}
+    return LocalStages(stages)

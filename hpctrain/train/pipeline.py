@@ -1,0 +1,182 @@
+"""The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
+schedule, reduce and clip gradients, measure the bubble.
+
+Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
+gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
+parameters are summed over the pp group. The loss is known only on ranks holding the last stage
+(the logging rank is one); other ranks report NaN.
+
+Measured bubble: before each step the pp group meets at a barrier; each rank records its compute
+actions (perf_counter relative to that start). A rank's bubble is 1 − busy/span, span = the time
+from the start to the end of its action list (sends drained). `bubble_measured` is the max over
+the pp ranks (the worst rank, like the simulator's bubble rate that takes the slowest rank), and
+`bubble_measured_mean` the mean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import Config
+from hpctrain.distributed.comm import Outbox, message_tag, recv
+from hpctrain.distributed.mesh import Mesh
+from hpctrain.parallel.pipeline.lowering import lower_comm
+from hpctrain.parallel.pipeline.runtime import PipelineRuntime
+from hpctrain.parallel.pipeline.schedules import build_schedule
+from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
+from hpctrain.parallel.pipeline.timeline import draw_timeline
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
+
+Timeline = list[tuple[float, float, Any]]
+
+
+class PipelineEngine:
+    """This rank's stages plus the runtime for its lowered action list."""
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        p, t = cfg.parallel, cfg.train
+        self.cfg, self.mesh = cfg, mesh
+        self.schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
+                                       virtual_stages=p.virtual_stages)
+        self.pp_rank = mesh.coord("pp")
+        self.peers = mesh.dims.group_ranks("pp", mesh.rank)
+        self.local: LocalStages = build_local_stages(
+            cfg.model, self.schedule.stages_of(self.pp_rank),
+            n_stages=self.schedule.n_stages, seed=t.seed).to(mesh.device)
+        self.act_shape = (t.micro_batch_size, t.seq_len, cfg.model.dim)
+        self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
+                                       pp_rank=self.pp_rank, peers=self.peers,
+                                       act_shape=self.act_shape, precision=t.precision)
+        self.last_timeline: Timeline = []
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.schedule.n_stages - 1 in self.local.stages
+
+    def train_step(self, optimizer: torch.optim.Optimizer, micro_batches, *, scaler: LossScaler,
+                   grad_clip: float) -> tuple[StepResult, dict[str, float]]:
+        pp_group, dp_group = self.mesh.group("pp"), self.mesh.group("dp")
+        params = [p for p in self.local.parameters() if p.requires_grad]
+        multiplier = scaler.loss_multiplier()
+        self.runtime.loss_multiplier = multiplier
+        dist.barrier(group=pp_group)  # aligned starts make the measured timelines comparable
+        start = time.perf_counter()
+        result = self.runtime.step(list(micro_batches), start=start)
+        span = time.perf_counter() - start
+        self.last_timeline = result.timeline
+        grads = [p.grad for p in params if p.grad is not None]
+        allreduce_mean(grads, dp_group)
+        loss = result.loss_sum if result.loss_sum is not None else torch.tensor(math.nan)
+        loss = loss.to(torch.float64).reshape(())
+        allreduce_mean([loss], dp_group)
+        skipped = scaler.enabled and scaler.found_overflow(grads, group=pp_group)
+        scaler.update(skipped)
+        norm = float("nan")
+        if not skipped:
+            if multiplier != 1.0:
+                torch._foreach_div_(grads, multiplier)
+            norm = clip_global_norm(params, grad_clip, group=pp_group)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        metrics = measured_bubble(result.timeline, span, group=pp_group)
+        return StepResult(float(loss), norm, skipped), metrics
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        """Mean loss over `batches`, forward only, stage by stage in stage order."""
+        losses = [self._eval_one(inputs_BL, targets_BL) for inputs_BL, targets_BL in batches]
+        mean = torch.tensor(math.nan, dtype=torch.float64)
+        if self.holds_loss:
+            mean = torch.stack(losses).mean()
+        allreduce_mean([mean], self.mesh.group("dp"))
+        return float(mean)
+
+    def _eval_one(self, inputs_BL, targets_BL) -> torch.Tensor | None:
+        dev, s2r, n = self.mesh.device, self.schedule.stage_to_rank, self.schedule.n_stages
+        h, outbox, out = inputs_BL.to(dev), Outbox(), None
+        for s, stage in self.local.stages.items():
+            if s > 0 and s2r[s - 1] != self.pp_rank:
+                h = recv(self.act_shape, dtype=self.runtime.dtype, device=dev,
+                         src=self.peers[s2r[s - 1]],
+                         tag=message_tag("F", stage=s, microbatch=0, n_stages=n))
+            with autocast(self.cfg.train.precision, dev):
+                out = stage(h)
+            if stage.is_last:
+                out = lm_loss(out, targets_BL.to(dev)).double()
+            elif s2r[s + 1] != self.pp_rank:
+                outbox.send(out, dst=self.peers[s2r[s + 1]],
+                            tag=message_tag("F", stage=s + 1, microbatch=0, n_stages=n))
+            h = out
+        outbox.wait_all()
+        return out
+
+    def write_timeline(self, run_dir: Path, *, step: int) -> dict[str, str] | None:
+        """Gather every pp rank's last measured timeline; the logging rank writes
+        `pipeline_timeline.json` (Chrome trace) and `pipeline_timeline.png`. Collective."""
+        gathered: list[Timeline | None] = [None] * self.mesh.dims.pp
+        boxes = [(t0, t1, str(a)) for t0, t1, a in self.last_timeline]
+        dist.all_gather_object(gathered, boxes, group=self.mesh.group("pp"))
+        if not self.mesh.is_logging_rank:
+            return None
+        return write_timeline_files(gathered, run_dir, title=f"{self.schedule.name} measured, "
+                                    f"pp={self.schedule.n_ranks}, m={self.schedule.n_microbatches}"
+                                    f", step {step}")
+
+
+def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) -> float:
+    """‖g‖ over all pipeline stages (squared norms summed over `group`); scale by
+    max_norm / (‖g‖ + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does."""
+    sq = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum()
+    if group is not None:
+        dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return norm
+
+
+def measured_bubble(timeline: Timeline, span: float, *, group) -> dict[str, float]:
+    """1 − busy/span on this rank; max and mean over `group` (see the module docstring)."""
+    busy = sum(t1 - t0 for t0, t1, _ in timeline)
+    bubble = 1.0 - busy / span if span > 0 else 0.0
+    stats = torch.tensor([bubble, bubble], dtype=torch.float64)
+    n = 1
+    if group is not None:
+        n = dist.get_world_size(group)
+        top = stats[:1].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(stats[1:], group=group)
+        stats[0] = top[0]
+    return {"bubble_measured": float(stats[0]), "bubble_measured_mean": float(stats[1]) / n}
+
+
+def write_timeline_files(timelines, run_dir: Path, *, title: str) -> dict[str, str]:
+    """Per rank [(start_s, end_s, 'stageKINDmb')] → Chrome trace JSON + PNG in `run_dir`."""
+    from hpctrain.parallel.pipeline.actions import Action
+
+    run_dir = Path(run_dir)
+    events, boxes = [], []
+    for rank, acts in enumerate(timelines):
+        row = []
+        for t0, t1, text in acts:
+            a = Action.parse(text)
+            events.append({"name": text, "cat": a.kind.value, "ph": "X", "pid": 0, "tid": rank,
+                           "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                           "args": {"stage": a.stage, "microbatch": a.microbatch}})
+            row.append((t0, t1, str(a.microbatch), a.kind.value))
+        boxes.append(row)
+    trace = run_dir / "pipeline_timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    png = draw_timeline(boxes, run_dir / "pipeline_timeline.png", title=title)
+    return {"timeline_trace": str(trace), "timeline_png": str(png)}
