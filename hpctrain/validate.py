@@ -32,7 +32,7 @@ def check_choices(c: Config) -> list[str]:
     from hpctrain.ops.attention import ATTENTION_BACKENDS
 
     return [
-        *_choice("task", c.task, ("train",)),
+        *_choice("task", c.task, ("train", "bench")),
         *_choice("model.attention", c.model.attention, tuple(ATTENTION_BACKENDS)),
         *_choice("parallel.schedule", c.parallel.schedule, SCHEDULE_NAMES),
         *_choice("train.precision", c.train.precision, PRECISIONS),
@@ -159,7 +159,10 @@ def check_device(c: Config) -> list[str]:
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
-    todo = {"parallel.tp": p.tp > 1, "parallel.pp": p.pp > 1, "parallel.zero": p.zero > 0,
+    # Benchmarks other than bench=train only build the layout's process groups, never a model.
+    groups_only = c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train"
+    todo = {"parallel.tp": p.tp > 1 and not groups_only,
+            "parallel.pp": p.pp > 1 and not groups_only, "parallel.zero": p.zero > 0,
             "parallel.sp": p.sp, "parallel.offload": p.offload != "none",
             "parallel.virtual_stages": p.virtual_stages > 1,
             "parallel.grad_comm_dtype": p.grad_comm_dtype != "fp32"}
@@ -167,8 +170,14 @@ def check_not_built(c: Config) -> list[str]:
             for k, on in todo.items() if on]
 
 
+def check_bench(c: Config) -> list[str]:
+    from hpctrain.bench.config import check_bench as check
+
+    return check(c)
+
+
 CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_model_shape,
-                             check_batch, check_data, check_device, check_not_built)
+                             check_batch, check_data, check_device, check_not_built, check_bench)
 
 
 def validate(c: Config) -> None:
