@@ -103,11 +103,9 @@ def _device_errors(b: BenchConfig, device_type: str) -> list[str]:
 
 def check_bench(c) -> list[str]:
     """Validation for Config `c` (hooked into hpctrain.validate)."""
-    has_group = bool(c.extra.get("bench"))
-    if c.task != "bench":
-        return [f"bench={c.extra['bench'].get('name')} given but task={c.task}: add task=bench"
-                ] if has_group else []
-    if not has_group:
+    if c.task != "bench":  # the group is always composed (sweeps need it); only bench reads it
+        return []
+    if not c.extra.get("bench"):
         return ["task=bench needs a benchmark: add bench=comm (or p2p, gemm, train)"]
     try:
         b = bench_config(c.extra)

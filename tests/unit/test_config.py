@@ -22,8 +22,6 @@ def test_every_option_composes(group, tmp_path):
         overrides = [f"{group}={option}"]
         cfg = compose(overrides)
         assert cfg[group] is not None
-        if (group, option) == ("task", "bench"):
-            overrides.append("bench=comm")  # task=bench needs a benchmark
         if (group, option) == ("data", "files"):
             overrides.append(f"data.paths=[{ROOT / 'README.md'}]")
         if group == "parallel":
