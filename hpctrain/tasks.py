@@ -20,8 +20,22 @@ def simulate_task(cfg: Config) -> dict[str, Any]:
     return run_simulate(cfg)
 
 
-RANK_TASKS = {"train": train_task}
+def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
+    from hpctrain.bench.task import bench_task as run_bench
+
+    return run_bench(cfg, mesh)
+
+
+RANK_TASKS = {"train": train_task, "bench": bench_task}
 ONCE_TASKS = {"simulate": simulate_task}  # analytical: run once in this process, no ranks
+
+
+def _needs_data(cfg: Config) -> bool:
+    if cfg.task == "bench":
+        from hpctrain.bench.task import needs_data
+
+        return needs_data(cfg)
+    return True
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -31,5 +45,6 @@ def run(cfg: Config) -> dict[str, Any]:
     from hpctrain.launch.local import launch_local
     from hpctrain.train.prepare import prepare
 
-    prepare(cfg.data)  # before any rank starts, so ranks only read the cached tokens
+    if _needs_data(cfg):
+        prepare(cfg.data)  # before any rank starts, so ranks only read the cached tokens
     return launch_local(cfg, RANK_TASKS[cfg.task])

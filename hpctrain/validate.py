@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
-TASKS = ("train", "simulate")
+TASKS = ("train", "simulate", "bench")
 Check = Callable[[Config], list[str]]
 
 
@@ -168,11 +168,20 @@ def check_device(c: Config) -> list[str]:
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
+    # Benchmarks other than bench=train only build the layout's process groups, never a model.
+    groups_only = c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train"
     todo = {"parallel.zero": p.zero > 0, "parallel.offload": p.offload != "none",
-            "parallel.tp > 1 together with parallel.pp > 1": p.tp > 1 and p.pp > 1,
+            "parallel.tp > 1 together with parallel.pp > 1": (
+                p.tp > 1 and p.pp > 1 and not groups_only),
             "parallel.grad_comm_dtype": p.grad_comm_dtype != "fp32"}
     return [f"{k} is not implemented yet in this version of hpctrain: leave it at its default"
             for k, on in todo.items() if on]
+
+
+def check_bench(c: Config) -> list[str]:
+    from hpctrain.bench.config import check_bench as check
+
+    return check(c)
 
 
 def check_pipeline(c: Config) -> list[str]:
@@ -216,7 +225,7 @@ def check_simulate(c: Config) -> list[str]:
 
 CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_model_shape,
                              check_batch, check_data, check_device, check_not_built,
-                             check_pipeline)
+                             check_pipeline, check_bench)
 # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "simulate": (check_choices, check_positive, check_simulate),

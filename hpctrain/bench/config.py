@@ -1,0 +1,123 @@
+"""The `bench` config group: a typed BenchConfig and its validation.
+
+`cfg.extra["bench"]` holds the composed group as a plain dict; `bench_config` turns it into a
+frozen BenchConfig (unknown keys rejected with a suggestion) and `check_bench` lists every
+mistake with the value and the fix, so a bad sweep fails before any rank starts.
+
+Fault injection: `slow_ranks` / `slow_nodes` make those ranks run every timed operation
+`slow_factor`× slower (each op is followed by a sleep of (factor − 1) × its own duration).
+It exists to check, on a healthy cluster, that the outlier logic names the node it should.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+BENCHES = ("comm", "p2p", "gemm", "train")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+GROUPS = ("world", "tp", "dp", "pp")
+DTYPES = ("fp32", "bf16", "fp16")
+GEMM_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str = "comm"
+    collectives: tuple[str, ...] = COLLECTIVES
+    groups: tuple[str, ...] = GROUPS
+    dtype: str = "fp32"  # element type of collective and p2p buffers
+    min_bytes: int = 1024
+    max_bytes: int = 16 * 2**20  # sweep cap: powers of two from min_bytes up to this
+    iters: int = 20
+    warmup: int = 5
+    gemm_min_dim: int = 128
+    gemm_max_dim: int = 2048
+    precisions: tuple[str, ...] = ()  # () → what the device supports (cpu: fp32, bf16)
+    outlier_fraction: float = 0.8
+    slow_ranks: tuple[int, ...] = ()  # fault injection: see the module docstring
+    slow_nodes: tuple[str, ...] = ()
+    slow_factor: float = 1.0
+
+    def sizes(self) -> list[int]:
+        """Message sizes in bytes: min_bytes, 2·min_bytes, … up to max_bytes."""
+        out, size = [], self.min_bytes
+        while size <= self.max_bytes:
+            out.append(size)
+            size *= 2
+        return out
+
+    def is_slow(self, *, rank: int, node: str) -> bool:
+        return self.slow_factor > 1 and (rank in self.slow_ranks or node in self.slow_nodes)
+
+
+def bench_config(extra: dict[str, Any]) -> BenchConfig:
+    from hpctrain.config import build
+
+    return build(BenchConfig, "bench", extra.get("bench") or {})
+
+
+def default_precisions(device_type: str) -> tuple[str, ...]:
+    return ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" else ("fp32", "bf16")
+
+
+def _subset(key: str, values, allowed) -> list[str]:
+    bad = [v for v in values if v not in allowed]
+    if not bad:
+        return []
+    return [f"{key} has {', '.join(map(repr, bad))}; choose from {', '.join(allowed)}"]
+
+
+def _ranges(b: BenchConfig, world: int) -> list[str]:
+    errs = [f"bench.{k}={v} must be > 0" for k, v in
+            {"min_bytes": b.min_bytes, "iters": b.iters, "gemm_min_dim": b.gemm_min_dim}.items()
+            if v <= 0]
+    if b.max_bytes < b.min_bytes:
+        errs.append(f"bench.max_bytes={b.max_bytes} < bench.min_bytes={b.min_bytes}: "
+                    "raise max_bytes or lower min_bytes")
+    if b.gemm_max_dim < b.gemm_min_dim:
+        errs.append(f"bench.gemm_max_dim={b.gemm_max_dim} < bench.gemm_min_dim={b.gemm_min_dim}")
+    if b.warmup < 0:
+        errs.append(f"bench.warmup={b.warmup} must be >= 0")
+    if not 0 < b.outlier_fraction <= 1:
+        errs.append(f"bench.outlier_fraction={b.outlier_fraction} must be in (0, 1], e.g. 0.8")
+    if b.slow_factor < 1:
+        errs.append(f"bench.slow_factor={b.slow_factor} must be >= 1 (1 disables injection)")
+    bad = [r for r in b.slow_ranks if not 0 <= r < world]
+    if bad:
+        errs.append(f"bench.slow_ranks={list(b.slow_ranks)} has ranks outside 0..{world - 1}")
+    return errs
+
+
+def _device_errors(b: BenchConfig, device_type: str) -> list[str]:
+    if device_type == "cuda":
+        return []
+    errs = []
+    if "tf32" in b.precisions:
+        errs.append("bench.precisions has 'tf32', which exists only on CUDA: drop it on CPU")
+    if "fp16" in b.precisions or b.dtype == "fp16":
+        errs.append("fp16 on CPU is ~100× slower than bf16: use bf16 or fp32 in "
+                    "bench.precisions / bench.dtype")
+    return errs
+
+
+def check_bench(c) -> list[str]:
+    """Validation for Config `c` (hooked into hpctrain.validate)."""
+    if c.task != "bench":  # the group is always composed (sweeps need it); only bench reads it
+        return []
+    if not c.extra.get("bench"):
+        return ["task=bench needs a benchmark: add bench=comm (or p2p, gemm, train)"]
+    try:
+        b = bench_config(c.extra)
+    except ValueError as err:
+        return [str(err)]
+    from hpctrain.distributed.device import resolve_device_type
+
+    errs = [] if b.name in BENCHES else [
+        f"bench.name={b.name!r} is not one of {', '.join(BENCHES)}: use bench=comm (or p2p, ...)"]
+    errs += _subset("bench.collectives", b.collectives, COLLECTIVES)
+    errs += _subset("bench.groups", b.groups, GROUPS)
+    errs += _subset("bench.precisions", b.precisions, GEMM_PRECISIONS)
+    errs += [] if b.dtype in DTYPES else [f"bench.dtype={b.dtype!r} is not one of {DTYPES}"]
+    errs += _ranges(b, c.cluster.world_size)
+    return errs + _device_errors(b, resolve_device_type(c.cluster.device))
