@@ -125,12 +125,11 @@ def test_bench_mistakes_are_clear_errors(overrides, message, tmp_path):
 
 
 def test_bench_allows_layout_groups_the_trainer_lacks(tmp_path):
-    c = make_config(["task=bench", "bench=comm", "parallel.tp=2", "cluster.procs_per_node=2"],
-                    run_dir=tmp_path)
-    assert c.parallel.tp == 2
+    layout = ["parallel.tp=2", "parallel.pp=2", "cluster.procs_per_node=4"]
+    c = make_config(["task=bench", "bench=comm", *layout], run_dir=tmp_path)
+    assert c.parallel.tp == 2 and c.parallel.pp == 2
     with pytest.raises(ValueError, match="not implemented"):
-        make_config(["task=bench", "bench=train", "parallel.tp=2", "cluster.procs_per_node=2"],
-                    run_dir=tmp_path)
+        make_config(["task=bench", "bench=train", *layout], run_dir=tmp_path)
 
 
 def test_every_bench_option_lists_every_key():

@@ -54,7 +54,7 @@ BAD = [
     (["model.n_heads=3"], ["model.dim=128 is not divisible by model.n_heads=3"]),
     (["model.n_kv_heads=3"], ["model.n_heads=4 is not divisible by model.n_kv_heads=3"]),
     (["model.n_layers=5", "parallel.pp=2", "cluster.procs_per_node=2"],
-     ["model.n_layers=5 is not divisible by parallel.pp=2"]),
+     ["model.n_layers=5 is not divisible by the 2 pipeline stages of parallel.pp=2"]),
     (["train.global_batch_size=10", "train.micro_batch_size=4"],
      ["train.global_batch_size=10 is not divisible", "use a multiple such as 8"]),
     (["parallel.microbatches=3"], ["parallel.microbatches=3", "leave parallel.microbatches unset"]),

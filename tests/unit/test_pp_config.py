@@ -19,7 +19,7 @@ def test_interleaved_and_zbv_accepted():
 
 
 def test_3d_preset_composes_but_tp_is_not_built_yet():
-    with pytest.raises(ValueError, match="parallel.tp is not implemented") as err:
+    with pytest.raises(ValueError, match="parallel.tp > 1 together with parallel.pp > 1 is not implemented") as err:
         make_config(["parallel=3d", "cluster.procs_per_node=8", "model=debug", "train=debug",
                      "train.global_batch_size=8"])
     assert "parallel.pp" not in str(err.value)
