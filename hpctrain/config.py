@@ -39,6 +39,11 @@ class ClusterConfig:
     setup: tuple[str, ...] = ()
     signal_delay_s: int = 120
     env: dict[str, str] = field(default_factory=dict)
+    # What the planner (task=plan) assumes about the hardware; GPUs per node = procs_per_node.
+    accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM
+    intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
+    inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
+    achievable_fraction: float = 0.5
 
     @property
     def world_size(self) -> int:

@@ -27,7 +27,13 @@ def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
 
 
 RANK_TASKS = {"train": train_task, "bench": bench_task}
-ONCE_TASKS = {"simulate": simulate_task}  # analytical: run once in this process, no ranks
+def plan_task(cfg: Config) -> dict[str, Any]:
+    from hpctrain.plan.task import run_plan
+
+    return run_plan(cfg)
+
+
+ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}  # analytical: run once in this process, no ranks
 
 
 def _needs_data(cfg: Config) -> bool:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
-TASKS = ("train", "simulate", "bench")
+TASKS = ("train", "simulate", "bench", "plan")
 Check = Callable[[Config], list[str]]
 
 
@@ -227,8 +227,24 @@ CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_m
                              check_batch, check_data, check_device, check_not_built,
                              check_pipeline, check_bench)
 # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
+def check_plan(c: Config) -> list[str]:
+    """task=plan: the plan.* settings and the cluster's accelerator and links."""
+    from hpctrain.plan.task import cluster_spec, plan_settings
+
+    errs = []
+    for fn in (plan_settings, cluster_spec):
+        try:
+            fn(c)
+        except ValueError as err:
+            errs.append(str(err))
+    return errs
+
+
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "simulate": (check_choices, check_positive, check_simulate),
+    # The planner predicts any layout, including ones this version cannot run yet.
+    "plan": (check_choices, check_positive, check_world, check_model_shape, check_batch,
+             check_plan),
 }
 
 

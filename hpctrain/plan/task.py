@@ -1,0 +1,104 @@
+"""task=plan: predict memory and step time for the configured layout, or search for the best.
+
+Runs once, with no ranks. The model, layout, batch and precision come from the usual groups;
+the cluster's accelerator and links from `cluster.accelerator`, `cluster.intra_node_gb_s`,
+`cluster.inter_node_gb_s`, `cluster.achievable_fraction` (GPUs per node = procs_per_node); the
+pipeline's in-flight microbatches from the simulator. Writes `plan.json` into the run dir and
+logs a table; with `plan.search=true` also ranks every valid layout for `plan.n_devices`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hpctrain.config import Config
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.devices import DEVICES, lookup_device
+from hpctrain.plan.layout import Layout
+from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
+from hpctrain.plan.search import search_layouts
+
+log = logging.getLogger(__name__)
+DEFAULTS = {"search": False, "n_devices": None, "top": 5, "dp_overlap": 0.0,
+            "zero_stages": [0, 1, 2, 3], "schedules": ["1f1b", "interleaved_1f1b", "zb_h1"]}
+
+
+def plan_settings(cfg: Config) -> dict[str, Any]:
+    raw = cfg.extra.get("plan") or {}
+    for key in raw:
+        if key not in DEFAULTS:
+            close = difflib.get_close_matches(key, list(DEFAULTS), n=1)
+            hint = f" Did you mean plan.{close[0]}?" if close else ""
+            raise ValueError(f"unknown key plan.{key}; valid keys: {', '.join(DEFAULTS)}.{hint}")
+    return {**DEFAULTS, **raw}
+
+
+def cluster_spec(cfg: Config) -> ClusterSpec:
+    c = cfg.cluster
+    if c.accelerator is None:
+        raise ValueError("task=plan needs cluster.accelerator (one of "
+                         f"{', '.join(DEVICES)}), e.g. cluster.accelerator=H100-SXM")
+    device = lookup_device(c.accelerator)
+    if device is None:
+        raise ValueError(f"cluster.accelerator={c.accelerator!r} is not in the device table; "
+                         f"choose one of {', '.join(DEVICES)}")
+    return ClusterSpec(device=device, gpus_per_node=c.procs_per_node,
+                       intra_node_bw=c.intra_node_gb_s * 1e9,
+                       inter_node_bw=c.inter_node_gb_s * 1e9,
+                       achievable_fraction=c.achievable_fraction)
+
+
+def simulated_in_flight(cfg: Config) -> int:
+    """Peak activation sets on the busiest rank, from the real schedule (1 without pp)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    from hpctrain.parallel.pipeline.schedules import build_schedule
+    from hpctrain.parallel.pipeline.simulate import simulate
+
+    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
+                              virtual_stages=p.virtual_stages)
+    peak = max(simulate(schedule, t_f=1.0, t_b=1.0, t_w=1.0).peak_activations)
+    return -(-peak // schedule.chunks)  # a chunk holds 1/v of the rank's layers
+
+
+def layout_of(cfg: Config) -> Layout:
+    p = cfg.parallel
+    v = 2 if p.schedule == "zbv" else p.virtual_stages
+    schedule = p.schedule if p.pp > 1 else "1f1b"
+    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, virtual_stages=v, zero=p.zero, offload=p.offload,
+                  sp=p.sp, schedule=schedule)
+
+
+def run_plan(cfg: Config) -> dict[str, Any]:
+    settings, cluster, t = plan_settings(cfg), cluster_spec(cfg), cfg.train
+    common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                  seq_len=t.seq_len, precision=t.precision)
+    report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
+                         recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
+                         dp_overlap=settings["dp_overlap"], **common)
+    log.info("plan for %s on %s:\n%s", cfg.model.name, cluster.device.name,
+             format_plan_table(report))
+    if settings["search"]:
+        n = settings["n_devices"] or cfg.cluster.world_size
+        found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings["dp_overlap"],
+                               schedules=settings["schedules"],
+                               zero_stages=settings["zero_stages"], **common)
+        log.info("best layouts for %d devices:\n%s", n,
+                 format_search_table(found, top=settings["top"]))
+        report["search"] = [_candidate_json(c) for c in found]
+    out = Path(cfg.run_dir) / "plan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    report["path"] = str(out)
+    return report
+
+
+def _candidate_json(c) -> dict[str, Any]:
+    return {"layout": c.layout.describe(), "recompute": c.recompute, "fits": c.fits,
+            "memory_total_bytes": c.memory.total, "step_time_s": c.time.step_time_s,
+            "mfu": c.time.mfu, "reason": c.reason}
