@@ -33,7 +33,8 @@ def plan_task(cfg: Config) -> dict[str, Any]:
     return run_plan(cfg)
 
 
-ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}  # analytical: run once in this process, no ranks
+# Analytical tasks run once in this process, with no ranks.
+ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}
 
 
 def _needs_data(cfg: Config) -> bool:
