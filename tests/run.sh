@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: install what it needs, start the local Slurm
+# cluster (root only; Slurm tests skip with the reason elsewhere, and fail under CI=true),
+# then run pytest. Usage: bash tests/run.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+
+if [ "$(id -u)" = 0 ]; then
+  bash slurm/local/start.sh || echo "local Slurm cluster did not start (exit $?)" >&2
+fi
+
+export OMP_NUM_THREADS=1 WANDB_SILENT=true
+exec python -m pytest -q -p no:cacheprovider "$@"
