@@ -1,0 +1,1 @@
+"""Data parallelism: one flat shard layout for bucketed DDP and ZeRO stages 1-3."""

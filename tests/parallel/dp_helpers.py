@@ -1,0 +1,99 @@
+"""Rank-side functions for the data-parallel / ZeRO tests (module-level: they are pickled).
+
+The reference is the plain single-process step (torch AdamW, one global batch) built from
+the same seed on every rank; the dp run feeds each rank its slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import OptimConfig
+from hpctrain.models import PRESETS, build_model
+from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.train.optim import build_optimizer
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import train_step
+
+# eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
+# differences of tiny gradients (summed in another order) are amplified to O(lr).
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, eps=1e-4)
+SEQ, MICRO = 16, 2  # tokens per sample, samples per micro-batch per rank
+
+
+def global_batch(step: int, *, dp: int, accum: int, vocab: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (dp * accum * MICRO, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_micro_batches(step: int, *, dp: int, rank: int, accum: int, vocab: int):
+    x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
+    x, y = x.view(accum, dp, MICRO, SEQ), y.view(accum, dp, MICRO, SEQ)
+    return [(x[m, rank], y[m, rank]) for m in range(accum)]
+
+
+def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip=1.0):
+    """Single process, the whole global batch split into dp·accum micro-batches."""
+    model = build_model(PRESETS["debug"], seed=0).to(dtype)
+    opt = build_optimizer(model.named_parameters(), OPTIM)
+    vocab = PRESETS["debug"].vocab_size
+    for step in range(steps):
+        x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
+        n = dp * accum
+        mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0), strict=True))
+        train_step(model, opt, mbs, n_micro=n, precision="fp32", scaler=LossScaler(enabled=False),
+                   dp_group=None, grad_clip=grad_clip)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0.01,
+                comm="fp32", offload="none", group=None):
+    model = build_model(PRESETS["debug"], seed=0).to(dtype)
+    engine = DataParallel(model, group=group or dist.group.WORLD, zero=zero, precision=precision,
+                          optim=OPTIM, bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload)
+    return model, engine
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Full fp32 (master) values by FQN, gathered from the shards."""
+    from hpctrain.parallel.data.state import full_model_state
+
+    return full_model_state(engine)
+
+
+def run_dp(steps: int, *, zero: int, accum: int, precision="fp32", dtype=torch.float32,
+           comm="fp32", offload="none", grad_clip=1.0):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, precision=precision, dtype=dtype, comm=comm,
+                                offload=offload)
+    vocab = PRESETS["debug"].vocab_size
+    losses = []
+    for step in range(steps):
+        mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=vocab)
+        losses.append(engine.train_step(mbs, n_micro=accum, precision=precision,
+                                        scaler=LossScaler(enabled=False), grad_clip=grad_clip).loss)
+    return full_params(engine), losses
+
+
+def compare_with_reference(steps: int, *, zero: int, accum: int, dtype=torch.float32):
+    got, _ = run_dp(steps, zero=zero, accum=accum, dtype=dtype)
+    ref = reference(steps, dp=dist.get_world_size(), accum=accum, dtype=dtype)
+    return max(float((got[n].to(dtype) - ref[n]).abs().max()) for n in ref)
+
+
+def overlap_times():
+    """(issue times of each bucket's collective, time backward returned)."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=0, bucket_mb=0.02)
+    x, y = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)[0]
+    from hpctrain.train.step import lm_loss
+
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    t_end = time.perf_counter()
+    engine.reducer.finish()
+    return [t for _, t in engine.reducer.issue_times], t_end, len(engine.units)
