@@ -19,18 +19,18 @@ import torch
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.metrics.memory import model_state_ledger, optimizer_tensors
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.data import build_data_parallel
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train.data import Sampler, TokenDataset, batch
-from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.prepare import prepare
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import eval_loss, train_step
+from hpctrain.train.step import eval_loss
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,10 @@ class Trainer:
         self.model = build_model(cfg.model, seed=t.seed)
         apply_activation_checkpointing(self.model, t.activation_checkpointing)
         self.model.to(mesh.device)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        # Gradient reduction (bucketed, overlapped) and the optimizer (sharded for zero > 0)
+        # live in the data-parallel engine; see hpctrain/parallel/data.
+        self.dp = build_data_parallel(self.model, cfg, mesh)
+        self.optimizer = self.dp.optimizer
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
@@ -95,10 +98,9 @@ class Trainer:
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
-        result = train_step(self.model, self.optimizer, self.micro_batches(step),
-                            n_micro=cfg.grad_accum, precision=cfg.train.precision,
-                            scaler=self.scaler, dp_group=self.mesh.group("dp"),
-                            grad_clip=cfg.train.grad_clip)
+        result = self.dp.train_step(self.micro_batches(step), n_micro=cfg.grad_accum,
+                                    precision=cfg.train.precision, scaler=self.scaler,
+                                    grad_clip=cfg.train.grad_clip)
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
@@ -108,7 +110,7 @@ class Trainer:
                            n_devices=self.mesh.dims.world_size, peak_flops=self.peak)}
 
     def memory_metrics(self) -> dict[str, int]:
-        ledger = model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer))
+        ledger = self.dp.ledger()
         on_device = peak_memory_bytes(self.mesh.device)
         total = sum(ledger.values()) if self.mesh.device.type == "cpu" else on_device
         return {**ledger, "mem_bytes": total, "mem_peak_process_bytes": on_device}

@@ -97,3 +97,56 @@ def overlap_times():
     t_end = time.perf_counter()
     engine.reducer.finish()
     return [t for _, t in engine.reducer.issue_times], t_end, len(engine.units)
+
+
+def ledger_and_padding(zero: int):
+    """After one bf16 step: (ledger, Ψ, padding elements of this rank's layout)."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, precision="bf16", bucket_mb=0.05)
+    mbs = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)
+    engine.train_step(mbs, n_micro=1, precision="bf16", scaler=LossScaler(enabled=False),
+                      grad_clip=1.0)
+    psi = sum(u.layout.numel for u in engine.units)
+    peak = None
+    if engine.zero3 is not None:
+        z = engine.zero3
+        blocks = sorted((u.layout.padded_numel * 2 for u in engine.units[1:]), reverse=True)
+        bound = z.shard_bytes + engine.units[0].layout.padded_numel * 2 + sum(blocks[:2])
+        peak = (z.peak_bytes, z.shard_bytes, bound)
+    return engine.ledger(), psi, engine.padding(), peak
+
+
+def trajectory(steps: int, *, precision: str, comm: str = "fp32", zero: int = 2):
+    """(max |θ − θ_fp32| of the fp32 masters, max |loss − loss_fp32|) after `steps`."""
+    params, ref_losses = run_dp(steps, zero=zero, accum=1, precision="fp32")
+    got, losses = run_dp(steps, zero=zero, accum=1, precision=precision, comm=comm)
+    return (max(float((got[n] - params[n]).abs().max()) for n in params),
+            max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)))
+
+
+def save_then_continue(path: str, *, zero: int, accum: int):
+    """Train 2 steps, save, train 1 more: (loss of step 3, params after it)."""
+    from hpctrain.train import checkpoint as ckpt
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, dtype=torch.float64)
+    for step in range(3):
+        if step == 2:
+            ckpt.save(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer,
+                      train_state={"step": 2}, rank_state={})
+        mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=512)
+        loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
+                                 scaler=LossScaler(enabled=False), grad_clip=1.0).loss
+    return loss, full_params(engine)
+
+
+def load_and_continue(path: str, *, zero: int, accum: int):
+    from hpctrain.train import checkpoint as ckpt
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, dtype=torch.float64)
+    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer)
+    mbs = rank_micro_batches(state["step"], dp=dp, rank=rank, accum=accum, vocab=512)
+    loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
+                             scaler=LossScaler(enabled=False), grad_clip=1.0).loss
+    return loss, full_params(engine)
