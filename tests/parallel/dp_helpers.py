@@ -44,7 +44,8 @@ def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip
     for step in range(steps):
         x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
         n = dp * accum
-        mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0), strict=True))
+        mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0),
+                       strict=True))
         train_step(model, opt, mbs, n_micro=n, precision="fp32", scaler=LossScaler(enabled=False),
                    dp_group=None, grad_clip=grad_clip)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -150,3 +151,22 @@ def load_and_continue(path: str, *, zero: int, accum: int):
     loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
                              scaler=LossScaler(enabled=False), grad_clip=1.0).loss
     return loss, full_params(engine)
+
+
+def run_trainer(overrides: list[str], run_dir: str):
+    """The real Trainer on this world (dp = world size) for a few steps: its history."""
+    from pathlib import Path
+
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.train.trainer import Trainer
+    from tests.conftest import make_config
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = make_config(overrides, run_dir=run_dir)
+    p = cfg.parallel
+    mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
+                      device=torch.device("cpu"))
+    trainer = Trainer(cfg, mesh)
+    trainer.run()
+    return [m["loss"] for m in trainer.history], trainer.memory_metrics()
