@@ -47,7 +47,7 @@ def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """Collective: every rank calls it at the same step."""
     rank = dist.get_rank()
     partial = path.with_name(path.name + ".partial")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
     dist.barrier()
@@ -59,6 +59,17 @@ def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         _prune(path.parent, keep=keep)
     dist.barrier()
     return path
+
+
+def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """FQN-keyed model and optimizer state. A data-parallel engine's sharded optimizer
+    (hpctrain.parallel.data) provides full tensors assembled from its shards."""
+    engine = getattr(optimizer, "engine", None)
+    if engine is None:
+        return get_state_dict(model, optimizer)
+    from hpctrain.parallel.data.state import full_model_state, full_optim_state
+
+    return full_model_state(engine), full_optim_state(engine)
 
 
 def _prune(root: Path, *, keep: int) -> None:
@@ -73,11 +84,17 @@ def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
     A rank that has no file of its own (the world grew) takes rank 0's RNG state.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    engine = getattr(optimizer, "engine", None)
+    if engine is not None:
+        from hpctrain.parallel.data.state import load_full_state
+
+        load_full_state(engine, state["model"], state["optim"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     train_state = json.loads((path / "train_state.json").read_text())
     own = path / f"rank_{dist.get_rank():05d}.pt"
     rank_state = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=False)

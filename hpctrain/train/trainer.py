@@ -24,6 +24,7 @@ from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.data import build_data_parallel
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train.data import Sampler, TokenDataset, batch
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
@@ -58,7 +59,14 @@ class Trainer:
             apply_activation_checkpointing(self.model, t.activation_checkpointing)
             self.model.to(mesh.device)
         self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.dp = None
+        if self.pipeline is None and self.tp_plan is None:
+            # Gradient reduction (bucketed, overlapped) and the optimizer (sharded for zero > 0)
+            # live in the data-parallel engine; see hpctrain/parallel/data.
+            self.dp = build_data_parallel(self.model, cfg, mesh)
+            self.optimizer = self.dp.optimizer
+        else:  # tp or pp: plain flat dp all-reduce (ZeRO with tp/pp is refused by validation)
+            self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
@@ -113,6 +121,10 @@ class Trainer:
         t0 = time.perf_counter()
         if self.pipeline is not None:
             result, step_extra = self._pipeline_step(step)
+        elif self.dp is not None:
+            result, step_extra = self.dp.train_step(
+                self.micro_batches(step), n_micro=cfg.grad_accum, precision=cfg.train.precision,
+                scaler=self.scaler, grad_clip=cfg.train.grad_clip), {}
         else:
             result, step_extra = train_step(
                 self.model, self.optimizer, self.micro_batches(step), n_micro=cfg.grad_accum,
@@ -135,7 +147,8 @@ class Trainer:
                                         scaler=self.scaler, grad_clip=self.cfg.train.grad_clip)
 
     def memory_metrics(self) -> dict[str, int]:
-        ledger = model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer))
+        ledger = (self.dp.ledger() if self.dp is not None else
+                  model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer)))
         on_device = peak_memory_bytes(self.mesh.device)
         total = sum(ledger.values()) if self.mesh.device.type == "cpu" else on_device
         return {**ledger, "mem_bytes": total, "mem_peak_process_bytes": on_device}

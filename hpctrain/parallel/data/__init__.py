@@ -1,0 +1,16 @@
+"""Data parallelism: one flat shard layout for bucketed DDP and ZeRO stages 1-3."""
+
+from __future__ import annotations
+
+from hpctrain.parallel.data.engine import DataParallel
+
+
+def build_data_parallel(model, cfg, mesh) -> DataParallel:
+    """The trainer's engine for `cfg.parallel` (zero, bucket_mb, grad_comm_dtype, offload)."""
+    p = cfg.parallel
+    return DataParallel(model, group=mesh.group("dp"), zero=p.zero,
+                        precision=cfg.train.precision, optim=cfg.optim, bucket_mb=p.bucket_mb,
+                        grad_comm_dtype=p.grad_comm_dtype, offload=p.offload)
+
+
+__all__ = ["DataParallel", "build_data_parallel"]

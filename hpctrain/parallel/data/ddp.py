@@ -1,0 +1,159 @@
+"""Bucketed, overlapped gradient reduction over the dp group.
+
+Parameters are grouped into units (buckets of ≈ parallel.bucket_mb, in reverse order of
+registration ≈ the order backward produces their gradients; under ZeRO-3 one unit per
+transformer block). A post-accumulate-grad hook counts each unit's ready gradients; when the
+last one lands, the unit's collective is issued asynchronously while backward continues:
+
+  zero 0/1  all_reduce of the flat bucket (p.grad are views into it)
+  zero 2/3  reduce_scatter into this rank's grad shard (full local grads are freed)
+
+Reduction is an explicit step: `no_sync()` (entered by the step for every micro-batch but the
+last of an accumulation window) only accumulates locally; `finish()` issues whatever is left
+(units with unused parameters), waits for every collective and divides by dp.
+
+Wire dtype: with grad_comm_dtype=fp32 the sum is exact in fp32 (fp64 for fp64 grads). With
+bf16/fp16 on the wire, gradients are sent in 16 bits but summed in fp32: each rank all-gathers
+the 16-bit buffers and adds them locally (gloo has no PREMUL_SUM or mixed-dtype reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.parallel.data.units import FlatUnit
+
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def size_groups(named: list[tuple[str, torch.nn.Parameter]], *, bucket_bytes: float,
+                bytes_per_elem: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive groups of `named` (already in reduction order) of ≈ bucket_bytes each."""
+    groups: list[list] = [[]]
+    size = 0
+    for name, p in named:
+        if groups[-1] and size + p.numel() * bytes_per_elem > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += p.numel() * bytes_per_elem
+    return [g for g in groups if g]
+
+
+@dataclass
+class _Pending:
+    unit: FlatUnit
+    work: dist.Work | None
+    buf: torch.Tensor
+
+
+@dataclass
+class GradReducer:
+    units: list[FlatUnit]
+    group: dist.ProcessGroup | None
+    zero: int
+    comm_dtype: str = "fp32"
+    on_unit_done: Callable[[FlatUnit], None] | None = None  # ZeRO-3 frees params here
+    issue_times: list[tuple[int, float]] = field(default_factory=list)
+    _sync: bool = True
+    _ready: dict[int, int] = field(default_factory=dict)
+    _issued: set[int] = field(default_factory=set)
+    _pending: list[_Pending] = field(default_factory=list)
+    _handles: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.dp = 1 if self.group is None else dist.get_world_size(self.group)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, u=unit, i=i: self._on_grad(u, i)))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; no collective is issued inside."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, unit: FlatUnit, i: int) -> None:
+        if unit.grad_full is not None:
+            unit.adopt_grad(i)
+        n = self._ready.get(unit.index, 0) + 1
+        self._ready[unit.index] = n
+        if n < len(unit.params):
+            return
+        self._ready[unit.index] = 0
+        if self._sync:
+            self._issue(unit)
+        if self.on_unit_done is not None:
+            self.on_unit_done(unit)
+
+    def _acc_dtype(self, unit: FlatUnit) -> torch.dtype:
+        return torch.promote_types(unit.dtype, torch.float32)
+
+    def _issue(self, unit: FlatUnit) -> None:
+        self._issued.add(unit.index)
+        self.issue_times.append((unit.index, time.perf_counter()))
+        acc = self._acc_dtype(unit)
+        wire = WIRE_DTYPES.get(self.comm_dtype, acc)
+        if unit.grad_full is not None:
+            buf = unit.grad_full.to(wire)  # no copy when dtypes agree: reduced in place
+        else:
+            buf = unit.pack_grads(wire)
+        if self.group is None:
+            self._pending.append(_Pending(unit, None, buf))
+            return
+        if wire != acc:  # 16-bit wire, fp32 sum: gather everyone's buffer
+            out = torch.empty(self.dp * buf.numel(), dtype=wire, device=buf.device)
+            work = dist.all_gather_single(out, buf, group=self.group, async_op=True)
+        elif unit.grad_full is not None:
+            out, work = buf, dist.all_reduce(buf, group=self.group, async_op=True)
+        else:
+            out = torch.empty(unit.layout.shard_size, dtype=wire, device=buf.device)
+            work = dist.reduce_scatter_single(out, buf, group=self.group, async_op=True)
+        self._pending.append(_Pending(unit, work, out))
+
+    def finish(self) -> None:
+        """Issue units that never completed (unused parameters), wait for all, average."""
+        for unit in self.units:
+            if unit.index not in self._issued:
+                self._ready[unit.index] = 0
+                self._issue(unit)
+        for pending in self._pending:
+            if pending.work is not None:
+                pending.work.wait()
+            self._land(pending)
+        self._pending.clear()
+        self._issued.clear()
+
+    def _land(self, pending: _Pending) -> None:
+        unit, buf = pending.unit, pending.buf
+        acc = self._acc_dtype(unit)
+        if self.group is not None and buf.dtype != acc:
+            n = unit.layout.padded_numel
+            parts = buf.view(self.dp, n)
+            if unit.grad_full is None:
+                lo, hi = unit.layout.shard_range(unit.shard_rank)
+                parts = parts[:, lo:hi]
+            buf = parts.to(acc).sum(0)
+        elif self.group is None and unit.grad_full is None:
+            lo, hi = unit.layout.shard_range(unit.shard_rank)
+            buf = buf[lo:hi]
+        target = unit.grad_full if unit.grad_full is not None else unit.grad_shard
+        if buf.data_ptr() == target.data_ptr():
+            target.div_(self.dp)
+        else:
+            target.copy_(buf.to(acc).div_(self.dp))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

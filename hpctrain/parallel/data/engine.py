@@ -1,0 +1,113 @@
+"""DataParallel: the flat-shard engine behind DDP (zero=0) and ZeRO-1/2/3.
+
+One object per rank owns the units (flat buffers), the GradReducer, the ShardedAdamW and, for
+zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
+micro-batches run under `reducer.no_sync()` except the last of the accumulation window, then
+the reduction is finished explicitly, overflow is agreed by all ranks (fp16), and the sharded
+optimizer clips by the global norm and updates.
+
+Precision: for bf16/fp16 the model's parameters are cast to 16 bits (compute copies) and fp32
+masters live in the optimizer shards; fp32 (and fp64) parameters are their own masters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.metrics.memory import storage_bytes
+from hpctrain.parallel.data.ddp import GradReducer, size_groups
+from hpctrain.parallel.data.units import FlatUnit
+from hpctrain.parallel.data.zero import ShardedAdamW
+from hpctrain.parallel.data.zero3 import Zero3Params
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
+
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, elem: int):
+    if zero < 3:
+        return size_groups(list(reversed(named)), bucket_bytes=bucket_bytes, bytes_per_elem=elem)
+    block_of = {id(p): i for i, b in enumerate(model.layers) for p in b.parameters()}
+    groups = [[(n, p) for n, p in named if id(p) not in block_of]]
+    groups += [[(n, p) for n, p in named if block_of.get(id(p)) == i]
+               for i in range(len(model.layers))]
+    return groups
+
+
+class DataParallel:
+    def __init__(self, model: torch.nn.Module, *, group, zero: int, precision: str, optim,
+                 bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none"):
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
+        self.model, self.group, self.zero = model, group, zero
+        dp = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
+        groups = _groups(model, named, zero=zero, bucket_bytes=bucket_mb * 2**20,
+                         elem=dtype.itemsize)
+        self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype)
+                      for i, g in enumerate(groups)]
+        self.zero3 = Zero3Params(model, self.units, group=group) if zero == 3 else None
+        self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
+                                   on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
+        self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload)
+        self.optimizer.engine = self  # checkpoint.py reaches the state dict through it
+
+    def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
+                   grad_clip: float) -> StepResult:
+        device = self.units[0].device
+        multiplier = scaler.loss_multiplier()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, (inputs_BL, targets_BL) in enumerate(micro_batches):
+            last = i == n_micro - 1
+            with self.reducer.no_sync() if not last else _null():
+                with autocast(precision, device):
+                    logits = self.model(inputs_BL.to(device))
+                loss = lm_loss(logits, targets_BL.to(device)) / n_micro
+                (loss * multiplier).backward()
+            loss_sum += loss.detach().double()
+        self.reducer.finish()
+        allreduce_mean([loss_sum], self.group)
+        skipped = scaler.enabled and scaler.found_overflow(self.optimizer.grad_shards(),
+                                                           group=self.group)
+        scaler.update(skipped)
+        norm = float("nan")
+        if not skipped:
+            norm = self.optimizer.step(unscale=multiplier, max_norm=grad_clip)
+        self.optimizer.zero_grad()
+        if self.zero3 is not None:
+            self.zero3.free_all()
+        return StepResult(float(loss_sum), norm, skipped)
+
+    def ledger(self) -> dict[str, int]:
+        """Bytes this rank holds now, de-duplicated by storage (what `model_state_bytes` models).
+
+        Parameters: the flat buffers (full, or the shard under zero 3 plus gathered units);
+        gradients: full buckets (zero < 2) or grad shards; optimizer: master (when it is not
+        the parameter shard itself), exp_avg, exp_avg_sq. Offloaded optimizer state is
+        reported as mem_optim_host_bytes.
+        """
+        seen: set[int] = set()
+        params = [u.full for u in self.units if u.full is not None] + [u.shard for u in self.units]
+        grads = [u.grad_full if u.grad_full is not None else u.grad_shard for u in self.units]
+        out = {"mem_params_bytes": storage_bytes(params, seen),
+               "mem_grads_bytes": storage_bytes(grads, seen)}
+        optim = storage_bytes(self.optimizer.tensors(), seen)
+        host = self.optimizer.offload == "cpu"
+        out["mem_optim_bytes"] = 0 if host else optim
+        out["mem_optim_host_bytes"] = optim if host else 0
+        out["mem_buffers_bytes"] = storage_bytes(self.model.buffers(), seen)
+        return out
+
+    def padding(self) -> int:
+        """Padding elements in this rank's shards (zero ≥ 1) — what the formulas leave out."""
+        return sum(u.layout.padding for u in self.units)
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,0 +1,124 @@
+"""FlatUnit: a group of parameters that share one flat shard layout and move together.
+
+A unit is the bucket of gradient reduction and, under ZeRO-3, the block that is all-gathered
+before use. Buffers (Ψᵤ = the unit's elements, S = its shard size, dp·S = Ψᵤ + padding):
+
+  full        dp·S params, compute dtype; the model's parameters are views into it
+              (persistent for zero < 3; under zero 3 only while gathered)
+  shard       S params: a view of `full` for zero < 3, the persistent storage for zero 3
+  grad_full   dp·S grads for zero < 2; p.grad are views into it (bucket-as-grad-view)
+  grad_shard  S grads: a view of `grad_full` for zero < 2, its own storage for zero ≥ 2
+
+For zero = 0 the layout has one shard (the whole unit): every rank updates everything.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.parallel.data.layout import ShardLayout
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+class FlatUnit:
+    def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]], *, dp: int,
+                 rank: int, zero: int, dtype: torch.dtype):
+        self.index, self.zero, self.dtype = index, zero, dtype
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.device = self.params[0].device
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params),
+                                  n_shards=dp if zero >= 1 else 1)
+        self.shard_rank = rank if zero >= 1 else 0
+        lo, hi = self.layout.shard_range(self.shard_rank)
+        flat = self._flatten_values()  # original precision, e.g. fp32 before casting to bf16
+        self.initial_master = flat[lo:hi].clone() if flat.dtype != dtype else None
+        self.full: torch.Tensor | None = flat.to(dtype)
+        self.shard = self.full[lo:hi] if zero < 3 else self.full[lo:hi].clone()
+        self.grad_full = None
+        if zero < 2:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
+            self.grad_shard = self.grad_full[lo:hi]
+        else:
+            self.grad_shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        self.bind_params()
+        self.bind_grads()
+        if zero == 3:
+            self.free_params()
+
+    def _flatten_values(self) -> torch.Tensor:
+        flat = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype,
+                           device=self.device)
+        for p, o in zip(self.params, self.layout.offsets, strict=True):
+            flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+        return flat
+
+    def _view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        o = self.layout.offsets[i]
+        return buf[o : o + self.layout.numels[i]].view(self.shapes[i])
+
+    # -- parameters --------------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def bind_params(self) -> None:
+        for i, p in enumerate(self.params):
+            p.data = self._view(self.full, i)
+
+    def free_params(self) -> None:
+        """ZeRO-3: drop the gathered buffer; parameters become empty until the next gather."""
+        self.full = None
+        for p in self.params:
+            p.data = _empty(self.dtype, self.device)
+
+    def gather_async(self, group) -> dist.Work | None:
+        """ZeRO-3: allocate `full` and start all-gathering the shards into it."""
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        if group is None:
+            self.full.copy_(self.shard)
+            return None
+        return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
+
+    def all_gather_params(self, group) -> None:
+        """zero 1/2: every rank's updated shard into `full` (in place, views stay valid)."""
+        if group is None or self.layout.n_shards == 1:
+            return
+        dist.all_gather_single(self.full, self.shard.clone(), group=group)
+
+    # -- gradients -----------------------------------------------------------------------------
+    def bind_grads(self) -> None:
+        if self.grad_full is None:
+            return
+        for i, p in enumerate(self.params):
+            p.grad = self._view(self.grad_full, i)
+
+    def adopt_grad(self, i: int) -> None:
+        """Keep p.grad a view of grad_full even if autograd replaced it (out-of-place add)."""
+        p, view = self.params[i], self._view(self.grad_full, i)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """zero ≥ 2: the full local gradients as one padded flat tensor; p.grad freed."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
+        for p, o in zip(self.params, self.layout.offsets, strict=True):
+            if p.grad is not None:
+                flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
+            p.grad = None
+        return flat
+
+    def zero_grad(self) -> None:
+        if self.grad_full is not None:
+            self.grad_full.zero_()
+            self.bind_grads()
+        else:
+            self.grad_shard.zero_()
+            for p in self.params:
+                p.grad = None

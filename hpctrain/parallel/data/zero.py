@@ -1,0 +1,109 @@
+"""ShardedAdamW: AdamW on each rank's flat shard of master weights (ZeRO stages 0-3).
+
+For every unit the rank keeps, for its shard of S elements:
+  master      fp32 copy of the 16-bit shard (bf16/fp16 training), or a view of the shard
+              itself when the parameters are already fp32/fp64 (no extra copy)
+  exp_avg, exp_avg_sq   in the master dtype
+so mixed precision costs K = 12 bytes per owned element (4 master + 4 m + 4 v).
+offload='cpu' keeps master, m, v on the host and runs the update there.
+
+The update is torch's single-tensor AdamW, element-wise on the flat shard:
+  θ ← θ(1 − lr·wd)  (only on pieces of ≥2-D parameters),  m ← lerp(m, g, 1 − β1),
+  v ← β2 v + (1 − β2) g²,  θ ← θ − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
+Clipping uses the true global norm: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (all-reduced;
+shards are disjoint, so nothing is counted twice). After the update the compute-dtype shard
+is refreshed from the master and, for zero 1/2, all-gathered into the full parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import OptimConfig
+from hpctrain.parallel.data.units import FlatUnit
+
+
+class ShardedAdamW:
+    def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group,
+                 offload: str = "none"):
+        if optim.name != "adamw":
+            raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
+        self.units, self.group, self.offload = units, group, offload
+        self.betas, self.eps, self.weight_decay = (optim.beta1, optim.beta2), optim.eps, \
+            optim.weight_decay
+        self.param_groups = [{"lr": optim.lr}]  # the trainer's set_lr writes here
+        self.steps = 0
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        for unit in units:
+            master = self._make_master(unit)
+            self.state[unit.index] = {"master": master, "exp_avg": torch.zeros_like(master),
+                                      "exp_avg_sq": torch.zeros_like(master)}
+
+    def _make_master(self, unit: FlatUnit) -> torch.Tensor:
+        device = torch.device("cpu") if self.offload == "cpu" else unit.device
+        init = unit.initial_master if unit.initial_master is not None else unit.shard
+        unit.initial_master = None
+        master_dtype = torch.promote_types(unit.dtype, torch.float32)
+        if init.dtype == master_dtype and init.device == device and init is unit.shard:
+            return unit.shard  # fp32 training on the device: the shard is the master
+        return init.detach().to(device=device, dtype=master_dtype, copy=True)
+
+    def _decay_ranges(self, unit: FlatUnit) -> list[tuple[int, int]]:
+        return [(pc.local_offset, pc.local_offset + pc.length)
+                for pc in unit.layout.owned(unit.shard_rank) if len(unit.shapes[pc.index]) >= 2]
+
+    # -- gradients -------------------------------------------------------------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units]
+
+    def global_grad_norm(self, *, unscale: float = 1.0) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.units[0].device)
+        for g in self.grad_shards():
+            sq += g.double().pow(2).sum()
+        if self.group is not None and self.units[0].layout.n_shards > 1:
+            dist.all_reduce(sq, group=self.group)
+        return math.sqrt(float(sq)) / unscale
+
+    # -- the update ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, *, unscale: float = 1.0, max_norm: float = 0.0) -> float:
+        """One AdamW update on every shard; returns the global gradient norm (pre-clip)."""
+        norm = self.global_grad_norm(unscale=unscale)
+        coef = 1.0 / unscale
+        if max_norm > 0:
+            coef *= min(1.0, max_norm / (norm + 1e-6))
+        self.steps += 1
+        for unit in self.units:
+            state = self.state[unit.index]
+            grad = unit.grad_shard.to(device=state["master"].device, dtype=state["master"].dtype)
+            if coef != 1.0:
+                grad.mul_(coef)
+            self._adamw(unit, state, grad)
+            if state["master"] is not unit.shard:
+                unit.shard.copy_(state["master"])
+            if unit.zero < 3:
+                unit.all_gather_params(self.group)
+        return norm
+
+    def _adamw(self, unit: FlatUnit, state: dict[str, torch.Tensor], grad: torch.Tensor):
+        lr, (b1, b2), t = self.param_groups[0]["lr"], self.betas, self.steps
+        master, m, v = state["master"], state["exp_avg"], state["exp_avg_sq"]
+        if self.weight_decay:
+            for lo, hi in self._decay_ranges(unit):
+                master[lo:hi].mul_(1 - lr * self.weight_decay)
+        m.lerp_(grad, 1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step_size = lr / (1 - b1**t)
+        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)
+        master.addcdiv_(m, denom, value=-step_size)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Optimizer-owned tensors (the master is counted here only if it is not the shard)."""
+        return [t for s in self.state.values() for t in s.values()]

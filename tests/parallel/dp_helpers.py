@@ -1,0 +1,172 @@
+"""Rank-side functions for the data-parallel / ZeRO tests (module-level: they are pickled).
+
+The reference is the plain single-process step (torch AdamW, one global batch) built from
+the same seed on every rank; the dp run feeds each rank its slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import OptimConfig
+from hpctrain.models import PRESETS, build_model
+from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.train.optim import build_optimizer
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import train_step
+
+# eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
+# differences of tiny gradients (summed in another order) are amplified to O(lr).
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, eps=1e-4)
+SEQ, MICRO = 16, 2  # tokens per sample, samples per micro-batch per rank
+
+
+def global_batch(step: int, *, dp: int, accum: int, vocab: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (dp * accum * MICRO, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_micro_batches(step: int, *, dp: int, rank: int, accum: int, vocab: int):
+    x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
+    x, y = x.view(accum, dp, MICRO, SEQ), y.view(accum, dp, MICRO, SEQ)
+    return [(x[m, rank], y[m, rank]) for m in range(accum)]
+
+
+def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip=1.0):
+    """Single process, the whole global batch split into dp·accum micro-batches."""
+    model = build_model(PRESETS["debug"], seed=0).to(dtype)
+    opt = build_optimizer(model.named_parameters(), OPTIM)
+    vocab = PRESETS["debug"].vocab_size
+    for step in range(steps):
+        x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
+        n = dp * accum
+        mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0),
+                       strict=True))
+        train_step(model, opt, mbs, n_micro=n, precision="fp32", scaler=LossScaler(enabled=False),
+                   dp_group=None, grad_clip=grad_clip)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0.01,
+                comm="fp32", offload="none", group=None):
+    model = build_model(PRESETS["debug"], seed=0).to(dtype)
+    engine = DataParallel(model, group=group or dist.group.WORLD, zero=zero, precision=precision,
+                          optim=OPTIM, bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload)
+    return model, engine
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Full fp32 (master) values by FQN, gathered from the shards."""
+    from hpctrain.parallel.data.state import full_model_state
+
+    return full_model_state(engine)
+
+
+def run_dp(steps: int, *, zero: int, accum: int, precision="fp32", dtype=torch.float32,
+           comm="fp32", offload="none", grad_clip=1.0):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, precision=precision, dtype=dtype, comm=comm,
+                                offload=offload)
+    vocab = PRESETS["debug"].vocab_size
+    losses = []
+    for step in range(steps):
+        mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=vocab)
+        losses.append(engine.train_step(mbs, n_micro=accum, precision=precision,
+                                        scaler=LossScaler(enabled=False), grad_clip=grad_clip).loss)
+    return full_params(engine), losses
+
+
+def compare_with_reference(steps: int, *, zero: int, accum: int, dtype=torch.float32):
+    got, _ = run_dp(steps, zero=zero, accum=accum, dtype=dtype)
+    ref = reference(steps, dp=dist.get_world_size(), accum=accum, dtype=dtype)
+    return max(float((got[n].to(dtype) - ref[n]).abs().max()) for n in ref)
+
+
+def overlap_times():
+    """(issue times of each bucket's collective, time backward returned)."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=0, bucket_mb=0.02)
+    x, y = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)[0]
+    from hpctrain.train.step import lm_loss
+
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    t_end = time.perf_counter()
+    engine.reducer.finish()
+    return [t for _, t in engine.reducer.issue_times], t_end, len(engine.units)
+
+
+def ledger_and_padding(zero: int):
+    """After one bf16 step: (ledger, Ψ, padding elements of this rank's layout)."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, precision="bf16", bucket_mb=0.05)
+    mbs = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)
+    engine.train_step(mbs, n_micro=1, precision="bf16", scaler=LossScaler(enabled=False),
+                      grad_clip=1.0)
+    psi = sum(u.layout.numel for u in engine.units)
+    peak = None
+    if engine.zero3 is not None:
+        z = engine.zero3
+        blocks = sorted((u.layout.padded_numel * 2 for u in engine.units[1:]), reverse=True)
+        bound = z.shard_bytes + engine.units[0].layout.padded_numel * 2 + sum(blocks[:2])
+        peak = (z.peak_bytes, z.shard_bytes, bound)
+    return engine.ledger(), psi, engine.padding(), peak
+
+
+def trajectory(steps: int, *, precision: str, comm: str = "fp32", zero: int = 2):
+    """(max |θ − θ_fp32| of the fp32 masters, max |loss − loss_fp32|) after `steps`."""
+    params, ref_losses = run_dp(steps, zero=zero, accum=1, precision="fp32")
+    got, losses = run_dp(steps, zero=zero, accum=1, precision=precision, comm=comm)
+    return (max(float((got[n] - params[n]).abs().max()) for n in params),
+            max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)))
+
+
+def save_then_continue(path: str, *, zero: int, accum: int):
+    """Train 2 steps, save, train 1 more: (loss of step 3, params after it)."""
+    from hpctrain.train import checkpoint as ckpt
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, dtype=torch.float64)
+    for step in range(3):
+        if step == 2:
+            ckpt.save(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer,
+                      train_state={"step": 2}, rank_state={})
+        mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=512)
+        loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
+                                 scaler=LossScaler(enabled=False), grad_clip=1.0).loss
+    return loss, full_params(engine)
+
+
+def load_and_continue(path: str, *, zero: int, accum: int):
+    from hpctrain.train import checkpoint as ckpt
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model, engine = make_engine(zero=zero, dtype=torch.float64)
+    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer)
+    mbs = rank_micro_batches(state["step"], dp=dp, rank=rank, accum=accum, vocab=512)
+    loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
+                             scaler=LossScaler(enabled=False), grad_clip=1.0).loss
+    return loss, full_params(engine)
+
+
+def run_trainer(overrides: list[str], run_dir: str):
+    """The real Trainer on this world (dp = world size) for a few steps: its history."""
+    from pathlib import Path
+
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.train.trainer import Trainer
+    from tests.conftest import make_config
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = make_config(overrides, run_dir=run_dir)
+    p = cfg.parallel
+    mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
+                      device=torch.device("cpu"))
+    trainer = Trainer(cfg, mesh)
+    trainer.run()
+    return [m["loss"] for m in trainer.history], trainer.memory_metrics()
