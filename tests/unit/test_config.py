@@ -15,6 +15,9 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"]}  # options with a required key
+
+
 @pytest.mark.parametrize("group", ["cluster", "model", "parallel", "train", "optim", "data",
                                    "logger", "task"])
 def test_every_option_composes(group, tmp_path):
@@ -22,6 +25,7 @@ def test_every_option_composes(group, tmp_path):
         overrides = [f"{group}={option}"]
         cfg = compose(overrides)
         assert cfg[group] is not None
+        overrides += NEEDS.get((group, option), [])
         if (group, option) == ("data", "files"):
             overrides.append(f"data.paths=[{ROOT / 'README.md'}]")
         if group == "parallel":
