@@ -19,6 +19,10 @@ RANK_TASKS = {"train": train_task}
 
 def run(cfg: Config) -> dict[str, Any]:
     """Prepare shared inputs once, then launch the ranks with the chosen launcher."""
+    if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
+        from hpctrain.launch.slurm import run_slurm_task
+
+        return run_slurm_task(cfg, RANK_TASKS[cfg.task])
     from hpctrain.launch.local import launch_local
     from hpctrain.train.prepare import prepare
 
