@@ -64,7 +64,17 @@ def run_slurm_task(cfg: Config, task: TaskFn) -> dict[str, Any]:
     preempt.STOP.install()
     log.info("slurm task: rank %d/%d (local %d), master %s:%d", env.rank, env.world_size,
              env.local_rank, env.master_addr, env.master_port)
-    result = run_rank(cfg, _prepared_then(task, env.local_rank), rank=env.rank,
-                      world_size=env.world_size, local_rank=env.local_rank)
+    try:
+        result = run_rank(cfg, _prepared_then(task, env.local_rank), rank=env.rank,
+                          world_size=env.world_size, local_rank=env.local_rank)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:  # noqa: BLE001
+        # torch's CheckpointException is a BaseException: neither Hydra nor submitit would
+        # record it, the task would die without a result, and without Slurm accounting
+        # submitit would wait for that result forever.
+        if isinstance(err, Exception):
+            raise
+        raise RuntimeError(f"{type(err).__name__}: {err}") from err
     preempt.requeue_if_asked(rank=env.rank)
     return result

@@ -16,6 +16,7 @@ import atexit
 import json
 import logging
 import re
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,12 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
         run_dir = sweep_dir / str(num)
         row: dict[str, Any] = {"point": num, "overrides": _overrides(run_dir),
                                "run_dir": str(run_dir)}
-        summary_path = run_dir / "summary.json"
-        if summary_path.exists():
+        summary_path, error_path = run_dir / "summary.json", run_dir / "error.txt"
+        if error_path.exists():
+            row["status"] = "failed"
+            row["logs"] = [str(error_path), *_logs(sweep_dir, run_dir, num)]
+            row["error"] = error_path.read_text().strip().splitlines()[0]
+        elif summary_path.exists():
             summary = json.loads(summary_path.read_text())
             done = summary.get("completed_steps", summary.get("steps")) == summary.get("steps")
             row["status"] = "ok" if done else "incomplete"
@@ -135,6 +140,19 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._write_if_pending()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        """In the job: a failed point leaves `error.txt` (exception and traceback) in its run
+        dir, since Hydra hands the exception to the submitting process, not to the logs."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobStatus
+
+        if job_return.status != JobStatus.FAILED:
+            return
+        err = job_return._return_value
+        text = "".join(traceback.format_exception(err)) if isinstance(err, BaseException) else ""
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        (run_dir / "error.txt").write_text(f"{type(err).__name__}: {err}\n\n{text}")
 
     def _write_if_pending(self) -> None:
         if self.sweep_dir is None or self.written:
