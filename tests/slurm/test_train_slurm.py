@@ -92,7 +92,8 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
         _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20,
                   120, "20 steps in metrics.jsonl")
         wandb_id = (run_dir / "wandb_id.txt").read_text().strip()
-        job_dir = next((sweep / ".submitit").glob("*_0"))
+        job_dir = _wait_for(lambda: next((sweep / ".submitit").glob("*/*_0_log.out"), None),
+                            30, "the job's log").parent  # "<id>" or "<array id>_0"
         job = submitit.SlurmJob(folder=sweep / ".submitit" / "%j", job_id=job_dir.name,
                                 tasks=(0, 1))
         job._interrupt()  # SIGTERM + USR2, as a preemption
