@@ -19,8 +19,17 @@ def main(cfg: DictConfig) -> dict | None:
         parsed = config.parse(cfg)
     except ValueError as err:
         log.error("%s", err)
+        if _in_sweep():
+            raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
     return tasks.run(parsed)
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 if __name__ == "__main__":

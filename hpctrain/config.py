@@ -7,6 +7,7 @@ rejects unknown keys (with a "did you mean"), and runs the cross-field checks in
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
@@ -209,12 +210,32 @@ def parse(cfg, *, run_dir: str | None = None) -> Config:
 
     from hpctrain.validate import validate
 
+    group = None
     if run_dir is None:
-        run_dir = _hydra_run_dir()
+        run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
     raw = OmegaConf.to_container(cfg, resolve=True)
     config = from_dict(raw, run_dir=run_dir)
+    if group is not None and config.logger.group is None:
+        config = dataclasses.replace(
+            config, logger=dataclasses.replace(config.logger, group=group))
     validate(config)
     return config
+
+
+def _hydra_sweep_group() -> str | None:
+    """In a multirun, the W&B group of the sweep (launch.sweep.sweep_group), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra_cfg = HydraConfig.get()
+    except (ImportError, ValueError):
+        return None
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    from hpctrain.launch.sweep import sweep_group
+
+    return sweep_group(hydra_cfg.sweep.dir)
 
 
 def _hydra_run_dir() -> str:

@@ -49,6 +49,10 @@ def run(cfg: Config) -> dict[str, Any]:
     """Run an analytical task here, or prepare shared inputs once and launch the ranks."""
     if cfg.task in ONCE_TASKS:
         return ONCE_TASKS[cfg.task](cfg)
+    if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
+        from hpctrain.launch.slurm import run_slurm_task
+
+        return run_slurm_task(cfg, RANK_TASKS[cfg.task])
     from hpctrain.launch.local import launch_local
     from hpctrain.train.prepare import prepare
 

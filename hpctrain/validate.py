@@ -152,6 +152,8 @@ def check_data(c: Config) -> list[str]:
 def check_device(c: Config) -> list[str]:
     from hpctrain.distributed.device import cuda_available, resolve_device_type
 
+    if c.cluster.launcher == "slurm" and "SLURM_PROCID" not in os.environ:
+        return []  # submitting from a login node: the devices are checked in each Slurm task
     device = resolve_device_type(c.cluster.device)
     if device == "cuda" and not cuda_available():
         return ["cluster.device=cuda but no CUDA device is visible: use cluster.device=auto"]

@@ -57,13 +57,29 @@ class WandbLogger:
         )
         log.info("W&B run %s (%s) in %s", self.run.id, self.mode, self.run.dir)
 
+    def _guarded(self, what: str, fn) -> None:
+        """W&B is best effort: Slurm's SIGTERM (preemption) also reaches the wandb-core service
+        process, and a lost service must not kill the rank in the middle of its stop
+        checkpoint. After one failure this run logs to JSONL only."""
+        if self.run is None:
+            return
+        try:
+            fn()
+        except (ConnectionError, OSError) as err:
+            log.warning("W&B %s failed (%s): continuing without W&B", what, err)
+            self.run = None
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        values = {k: v for k, v in metrics.items() if v is not None}
+        self._guarded("log", lambda: self.run.log(values, step=step))
 
     def summary(self, values: dict[str, Any]) -> None:
-        for k, v in values.items():
-            if isinstance(v, int | float | str) and v is not None:
-                self.run.summary[k] = v
+        def update():
+            for k, v in values.items():
+                if isinstance(v, int | float | str) and v is not None:
+                    self.run.summary[k] = v
+
+        self._guarded("summary", update)
 
     def close(self) -> None:
-        self.run.finish()
+        self._guarded("finish", lambda: self.run.finish())

@@ -19,6 +19,7 @@ import torch
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.launch import preempt
 from hpctrain.metrics.memory import model_state_ledger, optimizer_tensors
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
@@ -169,12 +170,25 @@ class Trainer:
                 self._after_step(metrics, loggers, progress, extra)
                 if prof is not None:
                     prof.step()
-                if t.stop_after is not None and self.step >= t.stop_after:
+                if self._should_stop(extra):
                     break
         if self.pipeline is not None and self.cfg.parallel.timeline:
             extra.update(self.pipeline.write_timeline(self.run_dir, step=self.step) or {})
         extra["checkpoint"] = str(self.save())
         return self._finish(loggers, extra) if logging_rank else {}
+
+    def _should_stop(self, extra: dict[str, Any]) -> bool:
+        """train.stop_after reached, or a preemption/time-limit signal on any rank. The signal
+        check is collective (launch.preempt), so every rank stops after the same step and the
+        checkpoint saved next is consistent."""
+        t = self.cfg.train
+        if t.stop_after is not None and self.step >= t.stop_after:
+            return True
+        if preempt.stop_agreed():
+            extra["stopped_by_signal"] = True
+            log.warning("stop requested by Slurm: checkpointing at step %d", self.step)
+            return True
+        return False
 
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step

@@ -1,0 +1,53 @@
+"""OmegaConf resolvers that turn the cluster config into Slurm launcher settings.
+
+Registered on import of `hpctrain` (the entry point and every submitit job import it), so
+`conf/cluster/slurm.yaml` can derive `nodes` from the parallel layout and build the job's
+`setup` lines and `gres` from `cluster.*` instead of repeating them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+
+def nodes_for(dp: int, tp: int, pp: int, procs_per_node: int) -> int:
+    """nodes = world / procs_per_node, rounded up: a world that does not fill whole nodes
+    then fails `check_world` with its usual message instead of a resolver traceback."""
+    world = int(dp) * int(tp) * int(pp)
+    ppn = max(int(procs_per_node), 1)
+    return max(-(-world // ppn), 1)
+
+
+def gres_for(gpus_per_node: int) -> str | None:
+    """`gpu:N` when the nodes have GPUs, else no --gres line at all."""
+    return f"gpu:{int(gpus_per_node)}" if int(gpus_per_node) > 0 else None
+
+
+def env_exports(env: Mapping[str, object] | None) -> list[str]:
+    """`export K=V` lines (values shell-quoted), sorted so the job script is stable."""
+    return [f"export {k}={shlex.quote(str(v))}" for k, v in sorted((env or {}).items())]
+
+
+def setup_lines(setup: Sequence[str] | None, env: Mapping[str, object] | None) -> list[str]:
+    """The job script's lines before `srun`: the site's setup commands, then the exports
+    (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ... from cluster.env) that every rank inherits."""
+    return [str(s) for s in (setup or [])] + env_exports(env)
+
+
+def register() -> None:
+    from omegaconf import OmegaConf
+
+    resolvers = {
+        "hpctrain.nodes": nodes_for,
+        "hpctrain.gres": gres_for,
+        "hpctrain.setup": lambda setup, env: setup_lines(_plain(setup), _plain(env)),
+    }
+    for name, fn in resolvers.items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+
+
+def _plain(value):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

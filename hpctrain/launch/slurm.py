@@ -1,0 +1,80 @@
+"""cluster.launcher=slurm: the body of one Slurm task (one task per rank, no torchrun).
+
+The job is submitted by Hydra's submitit launcher (`python -m hpctrain -m cluster=slurm ...`)
+or by a plain sbatch script (`hpctrain.launch.sbatch`); in both, every task runs
+`python -m hpctrain` (or submitit's unpickled call of it), arrives here, reads its rank from
+SLURM_PROCID via `distributed.env`, exports MASTER_ADDR/MASTER_PORT for env:// and runs the
+rank. Data is normally prepared in the submitting process (the sweep callback); local rank 0
+of each node prepares it again if missing (a cache hit otherwise) while the others wait at a
+barrier, so ranks only ever read a complete token cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from hpctrain.config import Config
+from hpctrain.distributed.env import DistEnv, from_environ
+from hpctrain.distributed.mesh import Mesh
+from hpctrain.launch import preempt
+from hpctrain.launch.worker import TaskFn, run_rank
+
+log = logging.getLogger(__name__)
+
+
+def slurm_env(cfg: Config) -> DistEnv:
+    """This task's rank and rendezvous, checked against the config's world."""
+    env = from_environ()
+    if env.source != "slurm":
+        raise ValueError(
+            f"cluster.launcher=slurm runs inside Slurm tasks, but this process has no "
+            f"SLURM_PROCID (source: {env.source}): submit with `python -m hpctrain -m "
+            f"cluster={cfg.cluster.name} ...` or a script from `python -m hpctrain.launch.sbatch`")
+    if env.world_size != cfg.cluster.world_size:
+        raise ValueError(
+            f"the Slurm job has {env.world_size} tasks but cluster.nodes={cfg.cluster.nodes} × "
+            f"cluster.procs_per_node={cfg.cluster.procs_per_node} = {cfg.cluster.world_size}: "
+            "submit with --nodes/--ntasks-per-node matching the config")
+    return env
+
+
+def _prepared_then(task: TaskFn, local_rank: int) -> TaskFn:
+    def prepared_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
+        from hpctrain.train.prepare import prepare
+
+        if local_rank == 0:
+            prepare(cfg.data)
+        dist.barrier()
+        return task(cfg, mesh)
+
+    return prepared_task
+
+
+def run_slurm_task(cfg: Config, task: TaskFn) -> dict[str, Any]:
+    """Run this Slurm task's rank; afterwards requeue if a USR2 stopped the run."""
+    env = slurm_env(cfg)
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    for key, value in cfg.cluster.env.items():
+        os.environ.setdefault(key, str(value))  # the job script exports them too
+    preempt.STOP.install()
+    log.info("slurm task: rank %d/%d (local %d), master %s:%d", env.rank, env.world_size,
+             env.local_rank, env.master_addr, env.master_port)
+    try:
+        result = run_rank(cfg, _prepared_then(task, env.local_rank), rank=env.rank,
+                          world_size=env.world_size, local_rank=env.local_rank)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:  # noqa: BLE001
+        # torch's CheckpointException is a BaseException: neither Hydra nor submitit would
+        # record it, the task would die without a result, and without Slurm accounting
+        # submitit would wait for that result forever.
+        if isinstance(err, Exception):
+            raise
+        raise RuntimeError(f"{type(err).__name__}: {err}") from err
+    preempt.requeue_if_asked(rank=env.rank)
+    return result

@@ -1,0 +1,183 @@
+"""The end of a sweep (`python -m hpctrain -m ...`): one table of every point's final numbers.
+
+`SweepSummary` is a Hydra callback registered in conf/config.yaml. Before the launcher starts
+(`on_multirun_start`, in the submitting process) it validates the base config and prepares
+the data once, so Slurm jobs only read the token cache. When the sweep ends it reads each
+point's `summary.json` (written by the trainer's logging rank) and writes `sweep_summary.md`
+and `sweep_summary.json` into the sweep dir, and logs the table. Hydra raises on the first
+failed point before `on_multirun_end` runs, so the table is also written at interpreter exit
+when the sweep did not end normally: a failed point is listed with its log paths, beside the
+others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import re
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+COLUMNS = ("final_loss", "final_eval_loss", "completed_steps", "tokens_per_s")
+
+
+def sweep_group(sweep_dir: str | Path) -> str:
+    """W&B group of a sweep: the sweep dir's name with its parent (`2024-05-01_12-30-00`
+    for the default `multirun/2024-05-01/12-30-00`), unique across days."""
+    p = Path(sweep_dir)
+    return f"{p.parent.name}_{p.name}" if p.parent.name else p.name
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def _logs(sweep_dir: Path, run_dir: Path, num: int) -> list[str]:
+    """Where to look when a point failed: submitit's task logs and Hydra's job log."""
+    found = sorted(sweep_dir.glob(f".submitit/*_{num}/*_{num}_*_log.*"))
+    found += sorted(run_dir.glob("*.log"))
+    return [str(p) for p in found]
+
+
+def _error_line(logs: list[str]) -> str | None:
+    """The last line that looks like a Python exception in the logs, if any."""
+    pattern = re.compile(r"^\w+(\.\w+)*(Error|Exception|Interrupt)\b.*")
+    last = None
+    for path in logs:
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if pattern.match(line.strip()):
+                last = line.strip()
+    return last
+
+
+def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per point: its number, overrides, status and final metrics (or its logs)."""
+    sweep_dir = Path(sweep_dir)
+    nums = {int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
+    nums |= {int(m.group(1)) for p in sweep_dir.glob(".submitit/*")
+             if (m := re.fullmatch(r"\d+_(\d+)", p.name))}
+    rows = []
+    for num in sorted(nums):
+        run_dir = sweep_dir / str(num)
+        row: dict[str, Any] = {"point": num, "overrides": _overrides(run_dir),
+                               "run_dir": str(run_dir)}
+        summary_path, error_path = run_dir / "summary.json", run_dir / "error.txt"
+        if error_path.exists():
+            row["status"] = "failed"
+            row["logs"] = [str(error_path), *_logs(sweep_dir, run_dir, num)]
+            row["error"] = error_path.read_text().strip().splitlines()[0]
+        elif summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            done = summary.get("completed_steps", summary.get("steps")) == summary.get("steps")
+            row["status"] = "ok" if done else "incomplete"
+            row.update({k: summary.get(k) for k in COLUMNS})
+        else:
+            row["status"] = "failed"
+            row["logs"] = _logs(sweep_dir, run_dir, num)
+            row["error"] = _error_line(row["logs"])
+        rows.append(row)
+    return rows
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table shows the overrides that differ between points; shared ones go above it."""
+    shared = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
+    head = ["point", "status", "overrides", *COLUMNS]
+    lines = [f"shared overrides: {' '.join(o for o in rows[0]['overrides'] if o in shared)}\n"
+             ] if shared else []
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        own = [o for o in r["overrides"] if o not in shared]
+        cells = [str(r["point"]), r["status"], " ".join(own),
+                 *(_fmt(r.get(k)) for k in COLUMNS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in rows if r["status"] != "ok"]
+    for r in failed:
+        lines.append(f"\npoint {r['point']} {r['status']}: {r.get('error') or ''}")
+        lines += [f"  log: {p}" for p in r.get("logs", [])] or [f"  run dir: {r['run_dir']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    table = markdown(rows)
+    (sweep_dir / "sweep_summary.md").write_text(table)
+    (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    log.info("sweep summary (%s):\n%s", sweep_dir / "sweep_summary.md", table)
+    return rows
+
+
+class SweepSummary(Callback):
+    def __init__(self) -> None:
+        self.sweep_dir: str | None = None
+        self.written = False
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_dir = str(config.hydra.sweep.dir)
+        Path(self.sweep_dir).mkdir(parents=True, exist_ok=True)
+        atexit.register(self._write_if_pending)
+        _prepare_base(config, self.sweep_dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._write_if_pending()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        """In the job: a failed point leaves `error.txt` (exception and traceback) in its run
+        dir, since Hydra hands the exception to the submitting process, not to the logs."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobStatus
+
+        if job_return.status != JobStatus.FAILED:
+            return
+        err = job_return._return_value
+        text = "".join(traceback.format_exception(err)) if isinstance(err, BaseException) else ""
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        (run_dir / "error.txt").write_text(f"{type(err).__name__}: {err}\n\n{text}")
+
+    def _write_if_pending(self) -> None:
+        if self.sweep_dir is None or self.written:
+            return
+        self.written = True
+        try:
+            write_summary(self.sweep_dir)
+        except Exception:  # never turn a sweep's own error into a summary error
+            log.exception("could not write the sweep summary of %s", self.sweep_dir)
+
+
+def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
+    """Prepare the base config's data before any job starts. Sweep overrides are not applied
+    to the base config, so a base that does not validate on its own is only logged: each
+    point is validated again in its job."""
+    from hpctrain.config import parse
+    from hpctrain.train.prepare import prepare
+
+    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    try:
+        parsed = parse(cfg, run_dir=sweep_dir)
+    except Exception as err:  # noqa: BLE001 - a base config may be invalid without its sweep
+        log.warning("base config not prepared before the sweep (%s); each point prepares its "
+                    "own data", err)
+        return
+    prepare(parsed.data)

@@ -1,0 +1,148 @@
+"""hpctrain on the real local Slurm cluster, through the CLI (`python -m hpctrain -m
+cluster=slurm_local ...`, Hydra's submitit launcher): layouts across nodes match cluster=local,
+a preempted job requeues and resumes bit-identically, sweeps end with a summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, make_config
+
+pytestmark = pytest.mark.slurm
+SMALL = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=200000",
+         "train.eval_every=0", "logger.progress=plain"]
+CLI_TIMEOUT_S = 240
+
+
+def _hpctrain(args: list[str], *, timeout_s: float = CLI_TIMEOUT_S, **kw):
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run([sys.executable, "-m", "hpctrain", "-m", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s, **kw)
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def _local_reference(overrides: list[str], run_dir: Path) -> list[tuple[int, float]]:
+    from hpctrain.launch.local import launch_local
+    from hpctrain.tasks import RANK_TASKS
+    from hpctrain.train.prepare import prepare
+
+    cfg = make_config(overrides, run_dir=run_dir)
+    prepare(cfg.data)
+    launch_local(cfg, RANK_TASKS["train"])
+    return _losses(run_dir)
+
+
+def test_dp4_two_nodes_matches_local(slurm_cluster, tmp_path):
+    layout = ["parallel=dp2", "parallel.dp=4", "train.global_batch_size=8", *SMALL]
+    t0 = time.monotonic()
+    proc = _hpctrain(["cluster=slurm_local", *layout, f"hydra.sweep.dir={tmp_path / 'sw'}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    slurm_s = time.monotonic() - t0
+    run_dir = tmp_path / "sw" / "0"
+    got = _losses(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["completed_steps"] == 10
+    log = next((tmp_path / "sw" / ".submitit").glob("*/*_0_log.out")).parent
+    assert "rank 3/4" in "".join(p.read_text() for p in log.glob("*_log.*"))
+    ref = _local_reference(["cluster.procs_per_node=4", *layout], tmp_path / "local")
+    assert got == ref and len(got) == 10, f"slurm {got}\nlocal {ref} (slurm run {slurm_s:.0f} s)"
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not seen after {timeout_s} s")
+        time.sleep(0.2)
+    return value
+
+
+def _restarts(job_id: str) -> int:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                         text=True, timeout=30).stdout
+    m = re.search(r"\bRestarts=(\d+)", out)
+    return int(m.group(1)) if m else -1
+
+
+def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_path, wait_job):
+    submitit = pytest.importorskip("submitit")
+    train = ["parallel=dp2", *SMALL, "train.steps=150", "logger.wandb=offline",
+             "train.checkpoint_every=50"]
+    sweep = tmp_path / "sw"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", "-m", "cluster=slurm_local", *train,
+         f"hydra.sweep.dir={sweep}"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "WANDB_SILENT": "true"})
+    try:
+        run_dir = sweep / "0"
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 20,
+                  120, "20 steps in metrics.jsonl")
+        wandb_id = (run_dir / "wandb_id.txt").read_text().strip()
+        job_dir = _wait_for(lambda: next((sweep / ".submitit").glob("*/*_0_log.out"), None),
+                            30, "the job's log").parent  # "<id>" or "<array id>_0"
+        job = submitit.SlurmJob(folder=sweep / ".submitit" / "%j", job_id=job_dir.name,
+                                tasks=(0, 1))
+        job._interrupt()  # SIGTERM + USR2, as a preemption
+        _wait_for(lambda: _restarts(job.job_id) >= 1, 60, "the requeue")
+        wait_job(job, 180)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    logs = "".join(p.read_text() for p in job_dir.glob("*_log.*"))
+    assert "stop requested by Slurm: checkpointing at step" in logs
+    assert re.search(r"resumed from .*step_\d{8} at step (\d+)", logs), logs[-3000:]
+    got = _losses(run_dir)
+    assert (run_dir / "wandb_id.txt").read_text().strip() == wandb_id
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(p.name.endswith(wandb_id) for p in runs), runs
+    ref_train = [o.replace("logger.wandb=offline", "logger.wandb=disabled") for o in train]
+    ref = _local_reference(["cluster.procs_per_node=2", *ref_train], tmp_path / "local")
+    assert [s for s, _ in got] == list(range(1, 151))
+    assert got == ref  # bit-identical (CPU fp32)
+
+
+def test_sweep_two_points_summary(slurm_cluster, tmp_path):
+    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "optim.lr=1e-4,3e-3",
+                      f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["overrides"][-1] for r in rows] == ["optim.lr=0.0001", "optim.lr=0.003"]
+    assert all(isinstance(r["final_loss"], float) for r in rows)
+    table = (tmp_path / "sweep_summary.md").read_text()
+    assert "| 1 | ok | optim.lr=0.003 |" in table
+    assert "sweep summary" in proc.stderr + proc.stdout
+    from hpctrain.launch.sweep import sweep_group
+
+    cfg = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert cfg["run_dir"] == str(tmp_path / "0")
+    assert sweep_group(tmp_path) == f"{tmp_path.parent.name}_{tmp_path.name}"
+
+
+def test_sweep_with_failing_point_reports_it(slurm_cluster, tmp_path):
+    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL,
+                      "train.resume=auto,/nonexistent/checkpoint", f"hydra.sweep.dir={tmp_path}"])
+    assert proc.returncode != 0
+    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "failed"], rows
+    assert rows[1]["error"] and "nonexistent" in (tmp_path / "1" / "error.txt").read_text()
+    assert any(p.endswith("_1_0_log.err") for p in rows[1]["logs"]), rows[1]["logs"]
+    table = (tmp_path / "sweep_summary.md").read_text()
+    assert "point 1 failed" in table and "| 0 | ok |" in table
