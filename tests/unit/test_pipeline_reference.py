@@ -5,30 +5,16 @@
 that closed form; it does to 4 decimals on every row.
 """
 
-import csv
-from pathlib import Path
-
 import pytest
 
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.simulate import simulate
-
-
-def reference_dir() -> Path:
-    """`shared/reference` in some parent of this file (repo at <root>/main or a worktree)."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "reference"
-        if candidate.is_dir():
-            return candidate
-    pytest.skip("shared/reference not found in any parent of the test file")
+from tests.unit.conftest import read_reference
 
 
 def table5_rows() -> list[dict]:
-    path = reference_dir() / "zero_bubble_table5.csv"
-    if not path.exists():
-        pytest.skip(f"{path} is absent")
-    with path.open() as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+    """Rows of tests/reference/zero_bubble_table5.csv (a copy of the shared paper table)."""
+    return read_reference("zero_bubble_table5.csv")
 
 
 def _run(name: str, row: dict) -> float:
