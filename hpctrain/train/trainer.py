@@ -203,7 +203,7 @@ class Trainer:
         if loggers is None:
             return
         progress.advance(step - 1)
-        if step % t.log_every == 0 or step == t.steps or "eval_loss" in metrics:
+        if step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics:
             loggers.log(step, {**metrics, **self.memory_metrics()})
 
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
