@@ -213,36 +213,35 @@ def check_pipeline(c: Config) -> list[str]:
     return errs
 
 
+def _errors_of(c: Config, *builders) -> list[str]:
+    """Run builders that raise ValueError on bad input; collect their messages."""
+    errs = []
+    for build in builders:
+        try:
+            build(c)
+        except ValueError as err:
+            errs.append(str(err))
+    return errs
+
+
 def check_simulate(c: Config) -> list[str]:
     """task=simulate: the schedule and the simulate.* costs."""
     from hpctrain.parallel.pipeline.sim_task import simulate_costs, simulated_schedule
 
-    errs = []
-    for fn in (simulated_schedule, simulate_costs):
-        try:
-            fn(c)
-        except ValueError as err:
-            errs.append(str(err))
-    return errs
+    return _errors_of(c, simulated_schedule, simulate_costs)
+
+
+def check_plan(c: Config) -> list[str]:
+    """task=plan: the plan.* settings and the cluster's accelerator and links."""
+    from hpctrain.plan.task import cluster_spec, plan_settings
+
+    return _errors_of(c, plan_settings, cluster_spec)
 
 
 CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_model_shape,
                              check_batch, check_data, check_device, check_not_built,
                              check_pipeline, check_bench)
 # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
-def check_plan(c: Config) -> list[str]:
-    """task=plan: the plan.* settings and the cluster's accelerator and links."""
-    from hpctrain.plan.task import cluster_spec, plan_settings
-
-    errs = []
-    for fn in (plan_settings, cluster_spec):
-        try:
-            fn(c)
-        except ValueError as err:
-            errs.append(str(err))
-    return errs
-
-
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "simulate": (check_choices, check_positive, check_simulate),
     # The planner predicts any layout, including ones this version cannot run yet.
