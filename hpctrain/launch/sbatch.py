@@ -78,12 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse(composed, run_dir=str(run_dir))
         script = render_sbatch(cfg, a.overrides, job_name=a.job_name)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)  # sbatch needs the --output dir to exist
     if a.out:
         Path(a.out).write_text(script)
-        print(f"wrote {a.out}: sbatch {a.out}", file=sys.stderr)
+        sys.stderr.write(f"wrote {a.out}: sbatch {a.out}\n")
     else:
         sys.stdout.write(script)
     return 0

@@ -8,10 +8,8 @@ from dataclasses import asdict
 from hpctrain.plan.bubble import in_flight_microbatches
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
-from hpctrain.plan.memory import memory_breakdown
-from hpctrain.plan.search import Candidate
+from hpctrain.plan.search import Candidate, evaluate_layout
 from hpctrain.plan.shapes import Shape
-from hpctrain.plan.time import step_time
 
 GIB = 2**30
 _MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -32,11 +30,10 @@ def plan_report(
     if in_flight is None:
         in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
                                            v=layout.virtual_stages)
-    mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                           in_flight=in_flight, recompute=recompute, precision=precision)
-    t = step_time(model, cluster, layout=layout, global_batch=global_batch,
-                  micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
-                  precision=precision, dp_overlap=dp_overlap)
+    scored = evaluate_layout(model, cluster, layout, recompute, global_batch=global_batch,
+                             micro_batch_size=micro_batch_size, seq_len=seq_len,
+                             precision=precision, dp_overlap=dp_overlap, in_flight=in_flight)
+    mem, t = scored.memory, scored.time
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
     memory.update(total=mem.total, host=mem.host)
     inputs = {

@@ -70,11 +70,14 @@ def enumerate_layouts(
                         yield layout
 
 
-def _score(model, cluster, layout, recompute, *, global_batch, micro_batch_size, seq_len,
-           precision, dp_overlap) -> Candidate:
+def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
+                    seq_len, precision, dp_overlap, in_flight: int | None = None) -> Candidate:
+    """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
+    pipeline simulator); None takes the closed form `in_flight_microbatches`."""
     m = global_batch // (micro_batch_size * layout.dp)
-    in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
-                                       v=layout.virtual_stages)
+    if in_flight is None:
+        in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
+                                           v=layout.virtual_stages)
     mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
                            in_flight=in_flight, recompute=recompute, precision=precision)
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
@@ -116,7 +119,7 @@ def search_layouts(
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
               precision=precision, dp_overlap=dp_overlap)
-    scored = [_score(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
+    scored = [evaluate_layout(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
     order = {r: i for i, r in enumerate(RECOMPUTES)}
     fitting = sorted((c for c in scored if c.fits), key=lambda c: (
         c.time.step_time_s, c.layout.zero, order[c.recompute], c.memory.total))
