@@ -49,12 +49,13 @@ class StopRequest:
             signal.signal(signum, self._on_signal)
         self.installed = True
 
-    def agreed_code(self, group: dist.ProcessGroup | None = None) -> int:
+    def agreed_code(self, group: dist.ProcessGroup | None = None,
+                    device: torch.device | None = None) -> int:
         """Collective over `group` (the world by default): the MAX of every rank's code.
         Without installed handlers (local runs) no rank can be signalled: no collective."""
         if not self.installed:
             return NONE
-        flag = torch.tensor([self.code], dtype=torch.int32)
+        flag = torch.tensor([self.code], dtype=torch.int32, device=device)  # NCCL: on the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         self.agreed = int(flag.item())
         return self.agreed
@@ -63,9 +64,10 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def stop_agreed(group: dist.ProcessGroup | None = None) -> bool:
+def stop_agreed(group: dist.ProcessGroup | None = None,
+                device: torch.device | None = None) -> bool:
     """True on every rank when any rank was signalled (call it at the same step everywhere)."""
-    return STOP.agreed_code(group) > NONE
+    return STOP.agreed_code(group, device) > NONE
 
 
 def requeue_if_asked(*, rank: int, grace_s: float = 3.0) -> bool:

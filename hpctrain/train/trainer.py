@@ -184,7 +184,7 @@ class Trainer:
         t = self.cfg.train
         if t.stop_after is not None and self.step >= t.stop_after:
             return True
-        if preempt.stop_agreed():
+        if preempt.stop_agreed(device=self.mesh.device):
             extra["stopped_by_signal"] = True
             log.warning("stop requested by Slurm: checkpointing at step %d", self.step)
             return True
