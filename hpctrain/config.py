@@ -45,6 +45,9 @@ class ClusterConfig:
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
     achievable_fraction: float = 0.5
+    # A task=bench bench.json (or its run dir): measured GEMM peak and link bandwidths replace
+    # the table's and the *_gb_s values above (hpctrain.plan.calibrate).
+    calibration: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -38,7 +38,7 @@ class DeviceSpec:
             "tf32": self.tf32_flops,
             "fp32": self.fp32_flops,
         }.get(precision)
-        if value is None:
+        if value is None or value != value:  # None: not published; NaN: not measured
             raise ValueError(
                 f"no published {precision!r} peak for {self.name}: use precision='bf16' "
                 "or pass a DeviceSpec with that peak filled in"

@@ -38,18 +38,27 @@ def plan_settings(cfg: Config) -> dict[str, Any]:
 
 
 def cluster_spec(cfg: Config) -> ClusterSpec:
+    """The table row of cluster.accelerator with the cluster.*_gb_s links; with
+    cluster.calibration, a bench.json's measurements replace them (alone when no accelerator)."""
     c = cfg.cluster
+    if c.accelerator is None and c.calibration is not None:
+        from hpctrain.plan.calibrate import calibrated_cluster
+
+        return calibrated_cluster(c.calibration).with_(
+            gpus_per_node=c.procs_per_node, achievable_fraction=c.achievable_fraction)
     if c.accelerator is None:
         raise ValueError("task=plan needs cluster.accelerator (one of "
-                         f"{', '.join(DEVICES)}), e.g. cluster.accelerator=H100-SXM")
+                         f"{', '.join(DEVICES)}), e.g. cluster.accelerator=H100-SXM, "
+                         "or cluster.calibration=<a task=bench bench.json>")
     device = lookup_device(c.accelerator)
     if device is None:
         raise ValueError(f"cluster.accelerator={c.accelerator!r} is not in the device table; "
                          f"choose one of {', '.join(DEVICES)}")
-    return ClusterSpec(device=device, gpus_per_node=c.procs_per_node,
+    spec = ClusterSpec(device=device, gpus_per_node=c.procs_per_node,
                        intra_node_bw=c.intra_node_gb_s * 1e9,
                        inter_node_bw=c.inter_node_gb_s * 1e9,
                        achievable_fraction=c.achievable_fraction)
+    return spec if c.calibration is None else ClusterSpec.from_bench(c.calibration, base=spec)
 
 
 def simulated_in_flight(cfg: Config) -> int:

@@ -26,6 +26,7 @@ from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data import build_data_parallel
+from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train.data import Sampler, TokenDataset, batch
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
@@ -77,6 +78,7 @@ class Trainer:
         self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
         self.history: list[dict[str, Any]] = []
         self.step = 0
+        self.prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -204,7 +206,7 @@ class Trainer:
             return
         progress.advance(step - 1)
         if step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics:
-            loggers.log(step, {**metrics, **self.memory_metrics()})
+            loggers.log(step, {**metrics, **self.memory_metrics(), **self.prediction.once()})
 
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
         mem = self.memory_metrics()
@@ -213,6 +215,7 @@ class Trainer:
         plot = plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
         extra["plot"] = str(plot) if plot else None
         summary = summarize(self.history, cfg=self.cfg, run_dir=self.run_dir, extra=extra)
+        summary.update(self.prediction.summary(summary, mem))  # predicted vs measured
         loggers.summary(summary)
         loggers.close()
         print_summary(summary)

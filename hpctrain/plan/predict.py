@@ -1,0 +1,130 @@
+"""What the planner predicts for the run about to train, and how the run compares.
+
+`predict_run(cfg, device=...)` gives, for this Config's layout, the per-rank model-state bytes
+and the step time; the trainer logs them once next to what it measures (issue 8: the cost model
+is checked on every run). The cluster the step time uses (`run_cluster`), in order:
+
+  1. cluster.calibration set: the bench.json's measured GEMM peak and links
+     (`hpctrain.plan.calibrate.calibrated_cluster`) over the accelerator's row if one is set;
+  2. cluster.accelerator set: the device table and the cluster.*_gb_s links;
+  3. otherwise: this device, calibrated on the spot by a ≈0.2 s GEMM of the model's largest
+     projection in the training precision (the "peak" is then measured GEMM throughput;
+     achievable_fraction still applies), with the LOCAL_* link constants.
+
+Memory: tp = pp = 1 layouts run on the flat engine, predicted exactly with its padding
+(`hpctrain.plan.flat_states`); tp or pp layouts keep fp32 parameters under autocast and
+use torch's AdamW, so they get `model_state_bytes(Ψ_rank, precision='fp32')` — an estimate:
+norm weights are counted as split over tp and AdamW's per-tensor step counters are left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hpctrain.config import Config
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.memory import ModelStates, model_state_bytes
+from hpctrain.plan.shapes import rank_params
+
+log = logging.getLogger(__name__)
+STATE_KEYS = (("params", "mem_params_bytes"), ("grads", "mem_grads_bytes"),
+              ("optimizer", "mem_optim_bytes"))
+
+
+def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSpec:
+    """The ClusterSpec for `cfg` (module docstring: calibration, accelerator, measured)."""
+    from hpctrain.distributed.device import device_name
+    from hpctrain.plan.calibrate import local_cluster, measure_device
+    from hpctrain.plan.task import cluster_spec
+
+    c, t = cfg.cluster, cfg.train
+    if c.accelerator is not None or c.calibration is not None:
+        return cluster_spec(cfg)
+
+    dev = device or torch.device("cpu")
+    spec = measure_device(cfg.model, tokens=t.micro_batch_size * t.seq_len, tp=cfg.parallel.tp,
+                          precision=t.precision, device=dev, name=device_name(dev))
+    return local_cluster(spec, gpus_per_node=c.procs_per_node,
+                         achievable_fraction=c.achievable_fraction)
+
+
+def predicted_states(cfg: Config) -> ModelStates:
+    """Model-state bytes on the busiest rank of `cfg`'s layout (module docstring)."""
+    from hpctrain.plan.flat_states import flat_state_bytes
+
+    p = cfg.parallel
+    if p.tp == 1 and p.pp == 1:
+        return flat_state_bytes(cfg.model, dp=p.dp, zero=p.zero, precision=cfg.train.precision,
+                                bucket_mb=p.bucket_mb, offload=p.offload)
+    psi = rank_params(cfg.model, tp=p.tp, pp=p.pp)
+    return model_state_bytes(psi, dp=p.dp, zero=p.zero, precision="fp32", offload=p.offload)
+
+
+def predicted_step_time(cfg: Config, cluster: ClusterSpec):
+    """`hpctrain.plan.time.step_time` for `cfg` on `cluster` (no dp overlap assumed)."""
+    from hpctrain.plan.task import layout_of
+    from hpctrain.plan.time import step_time
+
+    t = cfg.train
+    return step_time(cfg.model, cluster, layout=layout_of(cfg), global_batch=t.global_batch_size,
+                     micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                     recompute=t.activation_checkpointing, precision=t.precision)
+
+
+def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str, Any]:
+    """predicted_* metrics for the run: step time, its compute part, the peak it assumed,
+    and model-state bytes (total and per category). Failures are logged, never raised: a
+    planner gap must not stop training."""
+    try:
+        states = predicted_states(cfg)
+        cluster = run_cluster(cfg, device=device)
+        st = predicted_step_time(cluster=cluster, cfg=cfg)
+    except (ValueError, KeyError, RuntimeError) as e:
+        log.warning("no prediction for this run (%s): the planner cannot model it", e)
+        return {}
+    out = {"predicted_step_time_s": st.step_time_s, "predicted_compute_s": st.compute_s,
+           "predicted_peak_flops": cluster.device.peak_flops(cfg.train.precision),
+           "predicted_device": cluster.device.name,
+           "predicted_mem_model_state_bytes": int(states.total)}
+    out.update({f"predicted_{key}": int(getattr(states, name)) for name, key in STATE_KEYS})
+    return out
+
+
+def compare(predicted: dict[str, Any], *, step_time_s: float | None,
+            ledger: dict[str, int]) -> dict[str, Any]:
+    """Measured next to predicted, and the ratios measured / predicted."""
+    if not predicted:
+        return {}
+    measured_mem = sum(ledger.get(key, 0) for _, key in STATE_KEYS)
+    out = {**predicted, "mem_model_state_bytes": measured_mem,
+           "step_time_ratio": _ratio(step_time_s, predicted.get("predicted_step_time_s")),
+           "mem_model_state_ratio": _ratio(measured_mem,
+                                           predicted.get("predicted_mem_model_state_bytes"))}
+    return out
+
+
+def _ratio(measured, predicted) -> float | None:
+    if measured is None or not predicted:
+        return None
+    return measured / predicted
+
+
+class RunPrediction:
+    """The trainer's handle: computed once on the logging rank, logged once, compared last."""
+
+    def __init__(self, cfg: Config, *, device: torch.device, logging_rank: bool):
+        self.values = predict_run(cfg, device=device) if logging_rank else {}
+        self._logged = False
+
+    def once(self) -> dict[str, Any]:
+        """The predicted_* values the first time (for the first metrics record), then {}."""
+        if self._logged:
+            return {}
+        self._logged = True
+        return self.values
+
+    def summary(self, summary: dict[str, Any], ledger: dict[str, int]) -> dict[str, Any]:
+        return compare(self.values, step_time_s=summary.get("step_time_s"), ledger=ledger)

@@ -1,0 +1,92 @@
+"""Pieces of the run prediction that need no processes: shapes, bench-file calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hpctrain.models import build_model
+from hpctrain.models.config import PRESETS
+from hpctrain.plan.calibrate import LOCAL_BW, gemm_flops, measured_spec
+from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
+from hpctrain.plan.flat_states import flat_state_bytes, param_groups
+from hpctrain.plan.memory import model_state_bytes
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_groups_match_the_built_model(tied):
+    model_cfg = PRESETS["debug"].with_(tied_embeddings=tied)
+    embed, blocks, tail = param_groups(model_cfg)
+    built = [p.numel() for p in build_model(model_cfg, seed=0).parameters()]
+    assert embed + [n for b in blocks for n in b] + tail == built
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_flat_states_equal_the_zero_formulas_without_padding(zero, precision):
+    model_cfg = PRESETS["debug"]  # every parameter is a multiple of dim = 32: no padding at dp 2
+    got = flat_state_bytes(model_cfg, dp=2, zero=zero, precision=precision, bucket_mb=0.01)
+    ref = model_state_bytes(model_cfg.num_params(), dp=2, zero=zero, precision=precision)
+    assert (got.params, got.grads, got.optimizer) == (ref.params, ref.grads, ref.optimizer)
+
+
+def test_measured_spec_reports_only_what_was_measured():
+    spec = measured_spec("cpu", {"fp32": 1e9})
+    assert spec.peak_flops("fp32") == 1e9
+    with pytest.raises(ValueError, match="bf16"):
+        spec.peak_flops("bf16")
+
+
+def test_gemm_flops_is_positive():
+    assert gemm_flops(32, 32, 32, precision="fp32", device=torch.device("cpu"),
+                      seconds=0.01) > 0
+
+
+def _rec(bench, **kw):
+    return {"bench": bench, "rank": kw.pop("rank", 0), "node": kw.pop("node", "n0"), **kw}
+
+
+def _bench_file(tmp_path):
+    gemm = [_rec("gemm", rank=r, precision="bf16", kind="square", shape=f"{n}^3", m=n, k=n, n=n,
+                 tflops=t, peak_tflops=None, device="FakeGPU")
+            for r in (0, 1) for n, t in ((64, 1.0), (128, 3.0 + r))]
+    comm = [_rec("comm", rank=r, node=f"n{r // 2}", collective="all_reduce", supported=True,
+                 group=g, group_ranks=ranks, bytes=b, busbw_GBps=bw)
+            for g, ranks, bw in (("tp", [0, 1], 100.0), ("dp", [0, 2], 20.0))
+            for r in ranks for b in (1024, 4096)]
+    p2p = [_rec("p2p", rank=0, src=0, dst=d, src_node="n0", dst_node=f"n{d // 2}",
+                bw_GBps=5.0, latency_s=lat) for d, lat in ((1, 2e-6), (2, 8e-6))]
+    path = tmp_path / "bench.json"
+    doc = {"meta": {"world_size": 4, "nodes": ["n0", "n1"]}, "records": gemm + comm + p2p}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_from_bench_takes_peak_links_and_latencies(tmp_path):
+    spec = ClusterSpec.from_bench(_bench_file(tmp_path))
+    assert spec.device.peak_flops("bf16") == 3.5e12  # max over shapes of the rank median
+    assert math.isnan(spec.device.fp32_flops)
+    assert (spec.intra_node_bw, spec.inter_node_bw) == (100e9, 20e9)
+    assert (spec.latency_intra, spec.latency_inter) == (2e-6, 8e-6)
+    assert spec.gpus_per_node == 2
+
+
+def test_from_bench_keeps_what_the_file_lacks_from_base(tmp_path):
+    path = tmp_path / "gemm_only.json"
+    path.write_text(json.dumps({"meta": {}, "records": [
+        _rec("gemm", precision="fp32", kind="square", shape="8^3", m=8, k=8, n=8, tflops=0.5,
+             peak_tflops=None)]}))
+    base = megatron_a100_cluster()
+    spec = ClusterSpec.from_bench(path, base=base)
+    assert spec.device.peak_flops("fp32") == 0.5e12
+    assert spec.device.peak_flops("bf16") == base.device.bf16_flops
+    assert spec.intra_node_bw == base.intra_node_bw
+    assert ClusterSpec.from_bench(path).intra_node_bw == LOCAL_BW
+
+
+def test_from_bench_names_a_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="task=bench"):
+        ClusterSpec.from_bench(tmp_path / "nope.json")
