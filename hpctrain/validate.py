@@ -168,11 +168,7 @@ def check_device(c: Config) -> list[str]:
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
-    # Benchmarks other than bench=train only build the layout's process groups, never a model.
-    groups_only = c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train"
     todo = {"parallel.zero": p.zero > 0, "parallel.offload": p.offload != "none",
-            "parallel.tp > 1 together with parallel.pp > 1": (
-                p.tp > 1 and p.pp > 1 and not groups_only),
             "parallel.grad_comm_dtype": p.grad_comm_dtype != "fp32"}
     return [f"{k} is not implemented yet in this version of hpctrain: leave it at its default"
             for k, on in todo.items() if on]
