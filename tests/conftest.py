@@ -48,6 +48,12 @@ def world4() -> World:
     return get_world(4)
 
 
+@pytest.fixture(scope="session")
+def world8() -> World:
+    """8 ranks on few cores is slow (~9 s to spawn): keep to the one or two 3D tests."""
+    return get_world(8)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for world in _worlds.values():
         world.close()

@@ -1,7 +1,8 @@
 """Sharded checkpoints in torch.distributed.checkpoint (DCP) format, written atomically.
 
 A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/`: DCP shards of the model and optimizer
-(keyed by fully qualified parameter names, so a later layout can load them), one
+(keyed by fully qualified parameter names and holding full, not tp-sliced, tensors — see
+`ckpt_layout` — so a later tp/pp layout can load them), one
 `rank_XXXXX.pt` per rank (RNG and loss-scaler state) and `train_state.json` (step, layout).
 Ranks write into `step_XXXXXXXX.partial/`; after a barrier rank 0 writes `train_state.json`
 and renames the directory. Only renamed directories are complete, so a crash mid-save is
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpctrain.train import ckpt_layout
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -48,7 +51,8 @@ def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     rank = dist.get_rank()
     partial = path.with_name(path.name + ".partial")
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    full = ckpt_layout.to_full(model, {"model": model_sd, "optim": optim_sd})  # tp: collective
+    dcp.save(full, checkpoint_id=str(partial))
     torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
@@ -72,6 +76,20 @@ def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     return full_model_state(engine), full_optim_state(engine)
 
 
+def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
+    """torch AdamW path (tp or pp layouts): read full tensors, slice to this rank's plan.
+    Param groups (hyperparameters, membership) stay this run's: the data-parallel engine's
+    checkpoints do not carry them, and a different layout has other groups anyway."""
+    state = ckpt_layout.full_template(model, current)
+    groups = state["optim"].pop("param_groups", None)
+    dcp.load(state, checkpoint_id=str(path))
+    if groups is not None:
+        state["optim"]["param_groups"] = groups
+    state = ckpt_layout.to_local(model, state, current=current)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
 def _prune(root: Path, *, keep: int) -> None:
     done = sorted(p for p in root.iterdir() if _NAME.match(p.name))
     for old in done[:-keep] if keep > 0 else []:
@@ -85,16 +103,15 @@ def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     A rank that has no file of its own (the world grew) takes rank 0's RNG state.
     """
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
     engine = getattr(optimizer, "engine", None)
     if engine is not None:
         from hpctrain.parallel.data.state import load_full_state
 
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
         load_full_state(engine, state["model"], state["optim"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        _load_replicated_or_tp(path, model, optimizer, {"model": model_sd, "optim": optim_sd})
     train_state = json.loads((path / "train_state.json").read_text())
     own = path / f"rank_{dist.get_rank():05d}.pt"
     rank_state = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=False)

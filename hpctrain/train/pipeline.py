@@ -1,5 +1,7 @@
 """The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
-schedule, reduce and clip gradients, measure the bubble.
+schedule, reduce and clip gradients, measure the bubble. With parallel.tp > 1 the stages are
+tensor-parallel (hpctrain.parallel.pipeline.tp_stages): replicated gradients are synced over tp
+before the dp average and the clip norm is that of the unsharded model.
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
@@ -32,8 +34,10 @@ from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
 from hpctrain.parallel.pipeline.timeline import draw_timeline
+from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
+from hpctrain.parallel.tensor import TensorParallelPlan, sync_tp_grads
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
+from hpctrain.train.step import StepResult, allreduce_mean, autocast
 
 Timeline = list[tuple[float, float, Any]]
 
@@ -49,9 +53,11 @@ class PipelineEngine:
         self.pp_rank = mesh.coord("pp")
         self.peers = mesh.dims.group_ranks("pp", mesh.rank)
         self.local: LocalStages = build_local_stages(
-            cfg.model, self.schedule.stages_of(self.pp_rank),
-            n_stages=self.schedule.n_stages, seed=t.seed).to(mesh.device)
-        self.act_shape = (t.micro_batch_size, t.seq_len, cfg.model.dim)
+            cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
+            seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp).to(mesh.device)
+        self.tp_plan: TensorParallelPlan | None = self.local.tp_plan
+        self.act_shape = stage_act_shape(micro_batch=t.micro_batch_size, seq_len=t.seq_len,
+                                         dim=cfg.model.dim, tp=p.tp, sp=p.sp)
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
                                        act_shape=self.act_shape, precision=t.precision)
@@ -73,17 +79,21 @@ class PipelineEngine:
         span = time.perf_counter() - start
         self.last_timeline = result.timeline
         grads = [p.grad for p in params if p.grad is not None]
+        if self.tp_plan is not None:
+            sync_tp_grads(params, self.tp_plan)
         allreduce_mean(grads, dp_group)
         loss = result.loss_sum if result.loss_sum is not None else torch.tensor(math.nan)
         loss = loss.to(torch.float64).reshape(())
         allreduce_mean([loss], dp_group)
-        skipped = scaler.enabled and scaler.found_overflow(grads, group=pp_group)
+        # Under tp a shard's overflow is seen by one tp rank only: agree over the whole world.
+        overflow_group = pp_group if self.tp_plan is None else None
+        skipped = scaler.enabled and scaler.found_overflow(grads, group=overflow_group)
         scaler.update(skipped)
         norm = float("nan")
         if not skipped:
             if multiplier != 1.0:
                 torch._foreach_div_(grads, multiplier)
-            norm = clip_global_norm(params, grad_clip, group=pp_group)
+            norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan)
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         metrics = measured_bubble(result.timeline, span, group=pp_group)
@@ -108,9 +118,9 @@ class PipelineEngine:
                          src=self.peers[s2r[s - 1]],
                          tag=message_tag("F", stage=s, microbatch=0, n_stages=n))
             with autocast(self.cfg.train.precision, dev):
-                out = stage(h)
+                out = stage(h, targets_BL.to(dev) if stage.is_last else None)
             if stage.is_last:
-                out = lm_loss(out, targets_BL.to(dev)).double()
+                out = out.double()
             elif s2r[s + 1] != self.pp_rank:
                 outbox.send(out, dst=self.peers[s2r[s + 1]],
                             tag=message_tag("F", stage=s + 1, microbatch=0, n_stages=n))
@@ -131,10 +141,16 @@ class PipelineEngine:
                                     f", step {step}")
 
 
-def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) -> float:
-    """‖g‖ over all pipeline stages (squared norms summed over `group`); scale by
-    max_norm / (‖g‖ + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does."""
-    sq = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum()
+def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group,
+                     tp_plan: TensorParallelPlan | None = None) -> float:
+    """‖g‖ over all pipeline stages (squared norms summed over `group`) and, with a `tp_plan`,
+    over the unsharded model (each value counted once: ‖g_p‖² / replicas(p), summed over tp);
+    scale by max_norm / (‖g‖ + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does."""
+    replicas = tp_plan.replicas if tp_plan is not None else {}
+    sq = torch.stack([p.grad.double().pow(2).sum() / replicas.get(id(p), 1)
+                      for p in params]).sum()
+    if tp_plan is not None and tp_plan.group is not None:
+        dist.all_reduce(sq, group=tp_plan.group)
     if group is not None:
         dist.all_reduce(sq, group=group)
     norm = float(sq.sqrt())

@@ -54,7 +54,7 @@ class Trainer:
         self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
         if self.pipeline is not None:
             self.model = self.pipeline.local  # this rank's stages, under the full model's names
-            self.tp_plan = None
+            self.tp_plan = self.pipeline.tp_plan  # tp inside the stages (3D), or None
         else:
             self.model = build_model(cfg.model, seed=t.seed)
             self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)

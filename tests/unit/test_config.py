@@ -31,6 +31,8 @@ def test_every_option_composes(group, tmp_path):
         if group == "parallel":
             world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
             overrides.append(f"cluster.procs_per_node={world}")
+            # keep the default 2 micro-batches per replica (a 1F1B pipeline needs ≥ pp)
+            overrides.append(f"train.global_batch_size={16 * cfg.parallel.dp}")
         if group in ("model", "parallel", "train", "optim", "data", "logger", "task"):
             try:
                 make_config(overrides, run_dir=tmp_path)

@@ -18,10 +18,12 @@ def test_interleaved_and_zbv_accepted():
     make_config([*PP2, "parallel.schedule=zbv", "train.global_batch_size=8"])
 
 
-def test_3d_preset_composes_but_tp_inside_stages_is_refused():
-    with pytest.raises(ValueError, match="together with parallel.pp > 1 is not implemented"):
-        make_config(["parallel=3d", "cluster.procs_per_node=8", "model=debug", "train=debug",
-                     "train.global_batch_size=8"])
+def test_3d_preset_is_accepted_with_and_without_sp():
+    base = ["parallel=3d", "cluster.procs_per_node=8", "model=debug", "train=debug",
+            "train.global_batch_size=8"]
+    cfg = make_config(base)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (2, 2, 2)
+    assert make_config([*base, "parallel.sp=true"]).parallel.sp
 
 
 @pytest.mark.parametrize("overrides,match", [

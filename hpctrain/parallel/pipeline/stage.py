@@ -11,6 +11,8 @@ Legend: B micro-batch, L sequence, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -35,8 +37,10 @@ def stage_layers(stage: int, *, n_stages: int, n_layers: int) -> range:
 class PipelineStage(nn.Module):
     """tokens_BL (stage 0) or h_BLD → h_BLD, or on the last stage → mean loss over tokens.
 
-    Owns a `WeightGradQueue` attached to all its hpctrain Linears, so the runtime can defer the
-    weight gradients of a B action and run them in the matching W action.
+    Owns a `WeightGradQueue` attached to every submodule with a `wgrad_queue` attribute
+    (hpctrain Linears, and the tensor-parallel layers after `attach_wgrad_queue`), so the
+    runtime can defer the weight gradients of a B action and run them in the matching W action.
+    `loss_fn(logits, targets)` is the last stage's loss (the vocab-parallel one under tp).
     """
 
     def __init__(self, cfg: ModelConfig, *, stage: int, n_stages: int, seed: int):
@@ -53,10 +57,16 @@ class PipelineStage(nn.Module):
         self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
         init_weights(self, cfg, seed=seed)
         self.wgrad_queue = WeightGradQueue()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.wgrad_queue = self.wgrad_queue
+        self.attach_wgrad_queue()
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attach_wgrad_queue(self) -> None:
+        """Point every layer that can defer its weight gradient at this stage's queue; call it
+        again after replacing modules (e.g. by their tensor-parallel shards)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "wgrad_queue"):
+                module.wgrad_queue = self.wgrad_queue
 
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
@@ -75,7 +85,7 @@ class PipelineStage(nn.Module):
         logits_BLV = self.output(self.norm(h_BLD))
         if targets_BL is None:
             return logits_BLV
-        return lm_loss(logits_BLV, targets_BL)
+        return self.loss_fn(logits_BLV, targets_BL)
 
 
 class LocalStages(nn.Module):
@@ -97,7 +107,18 @@ class LocalStages(nn.Module):
             self.layers.update(st.layers)
 
 
-def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int) -> LocalStages:
-    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised."""
+def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
+                       tp_group=None, sp: bool = False) -> LocalStages:
+    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised.
+
+    With a `tp_group` (of size > 1) each stage is replaced by its tensor-parallel shard
+    (`hpctrain.parallel.pipeline.tp_stages`); the merged plan is `LocalStages.tp_plan`."""
     stages = {s: PipelineStage(cfg, stage=s, n_stages=n_stages, seed=seed) for s in stage_ids}
-    return LocalStages(stages)
+    plan = None
+    if tp_group is not None:
+        from hpctrain.parallel.pipeline.tp_stages import shard_stages
+
+        plan = shard_stages(stages, group=tp_group, sp=sp, cfg=cfg)
+    local = LocalStages(stages)
+    local.tp_plan = plan
+    return local

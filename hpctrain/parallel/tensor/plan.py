@@ -120,7 +120,9 @@ def apply_tensor_parallel(model: nn.Module, *, group, sp: bool, seed: int | None
     the model. Returns the plan (also stored as `model.tp_plan`)."""
     plan = TensorParallelPlan(group, sp, counter if counter is not None else CommCounter())
     with torch.no_grad():
-        for i in range(len(model.layers)):
+        # named_children: a Transformer's ModuleList (0..n-1) or a pipeline stage's ModuleDict
+        # keyed by global layer index, so plan names are the full model's either way.
+        for i, _ in model.layers.named_children():
             _plan_block(model, i, plan, seed=seed, cfg=cfg)
         _plan_ends(model, plan, seed=seed, cfg=cfg)
     sharded = {id(p) for m in plan.modules.values() if not isinstance(m, ParallelEntryRMSNorm)

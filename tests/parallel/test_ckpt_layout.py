@@ -1,0 +1,53 @@
+"""Checkpoints are layout-independent: full tensors under full-model names. A run saved at
+tp=2 resumes at tp=1 and tp=4, one saved at pp=2 resumes at pp=1, and both continue the
+uninterrupted tp=1 trajectory (fp32 tolerance); resuming at the same tp=2 layout is bit-identical
+to never stopping."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.train import checkpoint as ckpt
+from tests.conftest import get_world
+from tests.parallel.trainer_runs import logged_trajectory, train_in_world
+
+STOP = 2
+
+
+def _close(got, want):
+    assert len(got) == len(want)
+    for (loss, norm), (loss1, norm1) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss1, rel=1e-5)
+        assert norm == pytest.approx(norm1, rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[tuple[float, float]]:
+    run_dir = tmp_path_factory.mktemp("ref")
+    return get_world(1).run(train_in_world, [], str(run_dir))[0]
+
+
+def _saved(world, overrides, tmp_path) -> str:
+    run_dir = tmp_path / "saved"
+    world.run(train_in_world, [*overrides, f"train.stop_after={STOP}"], str(run_dir))
+    path = ckpt.latest_complete(run_dir)
+    assert path is not None and path.name.endswith(f"{STOP:08d}")
+    return str(path)
+
+
+def test_tp2_checkpoint_resumes_at_tp1_tp2_tp4(world2, world4, tmp_path, reference):
+    path = _saved(world2, ["parallel.tp=2"], tmp_path)
+    resume = f"train.resume={path}"
+    tp1 = get_world(1).run(train_in_world, [resume], str(tmp_path / "tp1"))[0]
+    _close(tp1, reference[STOP:])
+    tp4 = world4.run(train_in_world, ["parallel.tp=4", resume], str(tmp_path / "tp4"))
+    _close(logged_trajectory(tp4), reference[STOP:])
+    tp2 = world2.run(train_in_world, ["parallel.tp=2", resume], str(tmp_path / "tp2"))
+    straight = world2.run(train_in_world, ["parallel.tp=2"], str(tmp_path / "tp2_straight"))
+    assert tp2[0] == straight[0][STOP:]  # same layout: bit-identical
+
+
+def test_pp2_checkpoint_resumes_at_pp1(world2, tmp_path, reference):
+    path = _saved(world2, ["parallel=pp2", "parallel.schedule=1f1b"], tmp_path)
+    pp1 = get_world(1).run(train_in_world, [f"train.resume={path}"], str(tmp_path / "pp1"))[0]
+    _close(pp1, reference[STOP:])

@@ -1,0 +1,34 @@
+"""Trainer runs inside a harness World, shared by the checkpoint-layout and 3D trainer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.distributed.dims import ParallelDims
+from hpctrain.distributed.mesh import build_mesh
+from hpctrain.train.trainer import Trainer
+from tests.conftest import make_config
+
+STEPS = 4
+
+
+def train_in_world(overrides: list[str], run_dir: str) -> list[tuple[float, float]]:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = make_config(["model=debug", "train=debug", "logger.wandb=disabled",
+                       "data.max_bytes=200000", f"train.steps={STEPS}", "train.eval_every=0",
+                       "train.global_batch_size=8", "optim.warmup_steps=1",
+                       f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
+                      run_dir=run_dir)
+    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+    trainer = Trainer(cfg, mesh)
+    trainer.run()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.history]
+
+
+def logged_trajectory(runs):
+    """The trajectory as seen by the logging rank (loss is NaN off the last pipeline stage)."""
+    return next(r for r in runs if r and r[0][0] == r[0][0])
