@@ -82,7 +82,8 @@ class PipelineEngine:
         if self.tp_plan is not None:
             sync_tp_grads(params, self.tp_plan)
         allreduce_mean(grads, dp_group)
-        loss = result.loss_sum if result.loss_sum is not None else torch.tensor(math.nan)
+        loss = (result.loss_sum if result.loss_sum is not None
+                else torch.tensor(math.nan, device=self.mesh.device))
         loss = loss.to(torch.float64).reshape(())
         allreduce_mean([loss], dp_group)
         # Under tp a shard's overflow is seen by one tp rank only: agree over the whole world.
@@ -96,14 +97,14 @@ class PipelineEngine:
             norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan)
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        metrics = measured_bubble(result.timeline, span, group=pp_group)
+        metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
         return StepResult(float(loss), norm, skipped), metrics
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
         """Mean loss over `batches`, forward only, stage by stage in stage order."""
         losses = [self._eval_one(inputs_BL, targets_BL) for inputs_BL, targets_BL in batches]
-        mean = torch.tensor(math.nan, dtype=torch.float64)
+        mean = torch.tensor(math.nan, dtype=torch.float64, device=self.mesh.device)
         if self.holds_loss:
             mean = torch.stack(losses).mean()
         allreduce_mean([mean], self.mesh.group("dp"))
@@ -162,11 +163,12 @@ def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group
     return norm
 
 
-def measured_bubble(timeline: Timeline, span: float, *, group) -> dict[str, float]:
+def measured_bubble(timeline: Timeline, span: float, *, group,
+                    device: torch.device | None = None) -> dict[str, float]:
     """1 − busy/span on this rank; max and mean over `group` (see the module docstring)."""
     busy = sum(t1 - t0 for t0, t1, _ in timeline)
     bubble = 1.0 - busy / span if span > 0 else 0.0
-    stats = torch.tensor([bubble, bubble], dtype=torch.float64)
+    stats = torch.tensor([bubble, bubble], dtype=torch.float64, device=device)  # NCCL: GPU
     n = 1
     if group is not None:
         n = dist.get_world_size(group)
