@@ -61,6 +61,17 @@ def test_dp4_two_nodes_matches_local(slurm_cluster, tmp_path):
     assert got == ref and len(got) == 10, f"slurm {got}\nlocal {ref} (slurm run {slurm_s:.0f} s)"
 
 
+def test_mission_command_3d_on_two_nodes(slurm_cluster, tmp_path):
+    """`python -m hpctrain -m parallel=3d cluster=slurm`: 8 ranks on 2 nodes (debug-sized)."""
+    args = ["parallel=3d", "cluster=slurm", *SMALL, "train.global_batch_size=8",
+            "train.steps=4", f"hydra.sweep.dir={tmp_path / 'sw'}"]
+    proc = _hpctrain(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "sw" / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 8 and summary["completed_steps"] == 4
+    assert "| 0 | ok |" in (tmp_path / "sw" / "sweep_summary.md").read_text()
+
+
 def _wait_for(pred, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while not (value := pred()):
