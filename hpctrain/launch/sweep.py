@@ -1,7 +1,7 @@
 """The end of a sweep (`python -m hpctrain -m ...`): one table of every point's final numbers.
 
 `SweepSummary` is a Hydra callback registered in conf/config.yaml. Before the launcher starts
-(`on_multirun_start`, in the submitting process) it validates the base config and prepares
+(`on_multirun_start`, in the submitting process) it validates every sweep point and prepares
 the data once, so Slurm jobs only read the token cache. When the sweep ends it reads each
 point's `summary.json` (written by the trainer's logging rank) and writes `sweep_summary.md`
 and `sweep_summary.json` into the sweep dir, and logs the table. Hydra raises on the first
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 COLUMNS = ("final_loss", "final_eval_loss", "completed_steps", "tokens_per_s")
@@ -135,8 +135,14 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = str(config.hydra.sweep.dir)
         Path(self.sweep_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            _prepare_base(config, self.sweep_dir)
+        except ValueError as err:
+            # Hydra turns a callback's Exception into a warning and launches anyway; a config
+            # mistake must stop the sweep before anything reaches the queue.
+            log.error("%s", err)
+            raise SystemExit(2) from err
         atexit.register(self._write_if_pending)
-        _prepare_base(config, self.sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._write_if_pending()
@@ -165,19 +171,12 @@ class SweepSummary(Callback):
 
 
 def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
-    """Prepare the base config's data before any job starts. Sweep overrides are not applied
-    to the base config, so a base that does not validate on its own is only logged: each
-    point is validated again in its job."""
-    from hpctrain.config import parse
+    """Validate every point before any job starts (`sweep_check`), then prepare the data of
+    each distinct data config once, so jobs only read the token cache."""
+    from hpctrain.launch.sweep_check import parsed_points
     from hpctrain.train.prepare import prepare
 
-    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
-    with open_dict(cfg):
-        cfg.pop("hydra", None)
-    try:
-        parsed = parse(cfg, run_dir=sweep_dir)
-    except Exception as err:  # noqa: BLE001 - a base config may be invalid without its sweep
-        log.warning("base config not prepared before the sweep (%s); each point prepares its "
-                    "own data", err)
-        return
-    prepare(parsed.data)
+    datas = {p.data for p in parsed_points(config, run_dir=sweep_dir)
+             if p.task not in ("simulate", "plan")}
+    for data in datas:
+        prepare(data)
