@@ -129,6 +129,25 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
     assert got == ref  # bit-identical (CPU fp32)
 
 
+@pytest.mark.slow
+def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
+    """A real --time limit (2 min, USR2 30 s before it; SLURM_NOTES: the signal may come up to
+    60 s early): the run checkpoints on the signal, is requeued and finishes from there."""
+    steps = 6000  # ~2–3 min of debug-model steps here: longer than the first time slot
+    train = ["parallel=dp2", *SMALL, f"train.steps={steps}", "train.log_every=500",
+             "cluster.time_min=2", "cluster.signal_delay_s=30"]
+    sweep = tmp_path / "sw"
+    proc = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"], timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
+    assert "received SIGUSR2" in logs, logs[-3000:]
+    stopped = re.search(r"checkpointing at step (\d+)", logs)
+    resumed = re.search(r"resumed from .*step_\d{8} at step (\d+)", logs)
+    assert stopped and resumed and stopped.group(1) == resumed.group(1), logs[-3000:]
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["completed_steps"] == steps
+
+
 def test_sweep_two_points_summary(slurm_cluster, tmp_path):
     proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "optim.lr=1e-4,3e-3",
                       f"hydra.sweep.dir={tmp_path}"])
