@@ -129,6 +129,27 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
     assert got == ref  # bit-identical (CPU fp32)
 
 
+def test_resume_at_another_layout_continues(slurm_cluster, tmp_path):
+    """Save at dp=4 on 2 nodes × 2 tasks, resume the same run dir at dp=2 zero=1 on one node:
+    the loss continues as the never-resharded run does (fp32 tolerance)."""
+    common = [*SMALL, "train.global_batch_size=8", "train.steps=8"]
+    sweep = f"hydra.sweep.dir={tmp_path / 'sw'}"
+    first = _hpctrain(["cluster=slurm_local", "parallel=dp2", "parallel.dp=4", *common,
+                       "train.stop_after=4", sweep])
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = _hpctrain(["cluster=slurm_local", "parallel=dp2", "parallel.zero=1", *common,
+                        sweep])
+    assert second.returncode == 0, second.stderr[-4000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "sw" / ".submitit").glob("*/*_log.*"))
+    assert re.search(r"resumed from .*step_00000004 at step 4", logs), logs[-3000:]
+    got = _losses(tmp_path / "sw" / "0")
+    ref = _local_reference(["cluster.procs_per_node=4", "parallel=dp2", "parallel.dp=4",
+                            *common], tmp_path / "local")
+    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 9))
+    for (step, a), (_, b) in zip(got, ref, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+
+
 @pytest.mark.slow
 def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
     """A real --time limit (2 min, USR2 30 s before it; SLURM_NOTES: the signal may come up to
