@@ -221,13 +221,34 @@ def run_pair(pair: str, args) -> dict:
             "notes": {e.name: e.notes for e in engines}}
 
 
+def profile_pair(pair: str, args) -> dict[str, str]:
+    """torch.profiler over `args.steps` steps of each engine (after warm-up), rank 0's view."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tables = {}
+    for engine in build_pair(pair, args):
+        for step in range(args.warmup):
+            timed_step(engine, step, args, measure=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for step in range(args.warmup, args.warmup + args.steps):
+                with record_function("## step"):
+                    timed_step(engine, step, args, measure=False)
+        tables[engine.name] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                        row_limit=args.profile_rows)
+        del engine
+    return tables
+
+
 def rank_main(rank: int, world: int, store_path: str, args, results) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        out = [run_pair(pair, args) for pair in args.pairs]
+        if args.profile:
+            out = {pair: profile_pair(pair, args) for pair in args.pairs}
+        else:
+            out = [run_pair(pair, args) for pair in args.pairs]
         if rank == 0:
             results["out"] = out
     finally:
@@ -286,6 +307,9 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout (s)")
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing, print rank 0's torch.profiler table per engine")
+    p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args(argv)
     unknown = set(args.pairs) - set(PAIRS)
     if unknown:
@@ -304,6 +328,11 @@ def main(argv=None) -> None:
         mp.start_processes(rank_main, args=(world, str(Path(tmp) / "store"), args, results),
                            nprocs=world, start_method="spawn", join=True)
         out = results["out"]
+    if args.profile:
+        for pair, tables in out.items():
+            for name, table in tables.items():
+                print(f"## {pair}: {name} ({args.steps} steps, rank 0)\n{table}")
+        return
     n = model_config(args).num_params()
     print(f"model: {n / 1e6:.1f}M params, dim {args.dim}, {args.layers} layers, vocab "
           f"{args.vocab}; batch {args.batch}×{args.seq} tokens per rank; 2 ranks gloo, 1 thread "
