@@ -85,11 +85,16 @@ class FlatUnit:
             return None
         return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
 
-    def all_gather_params(self, group) -> None:
-        """zero 1/2: every rank's updated shard into `full` (in place, views stay valid)."""
+    def all_gather_params(self, group, *, async_op: bool = False) -> dist.Work | None:
+        """zero 1/2: every rank's updated shard into `full` (in place, views stay valid).
+
+        The input is this rank's own slot of the output (`shard` is a view of `full`): the
+        in-place form NCCL documents, and gloo handles it too (checked for 2-4 ranks), so no
+        shard-sized copy is made per unit and step.
+        """
         if group is None or self.layout.n_shards == 1:
-            return
-        dist.all_gather_single(self.full, self.shard.clone(), group=group)
+            return None
+        return dist.all_gather_single(self.full, self.shard, group=group, async_op=async_op)
 
     # -- gradients -----------------------------------------------------------------------------
     def bind_grads(self) -> None:

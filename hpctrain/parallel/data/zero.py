@@ -82,6 +82,7 @@ class ShardedAdamW:
         if max_norm > 0:
             coef *= min(1.0, max_norm / (norm + 1e-6))
         self.steps += 1
+        works = []  # zero 1/2: unit i's all-gather runs while unit i+1 is updated
         for unit in self.units:
             state = self.state[unit.index]
             grad = unit.grad_shard.to(device=state["master"].device, dtype=state["master"].dtype)
@@ -91,7 +92,10 @@ class ShardedAdamW:
             if state["master"] is not unit.shard:
                 unit.shard.copy_(state["master"])
             if unit.zero < 3:
-                unit.all_gather_params(self.group)
+                works.append(unit.all_gather_params(self.group, async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
         return norm
 
     def _adamw(self, unit: FlatUnit, state: dict[str, torch.Tensor], grad: torch.Tensor):
