@@ -216,8 +216,11 @@ def run_pair(pair: str, args) -> dict:
             losses[engine.name].append(loss)
             if step >= args.warmup:
                 times[engine.name].append(t)
+    by_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, {e.name: e.mem for e in engines})
+    mem = {e.name: {k: max(r[e.name][k] for r in by_rank) for k in MEM_KEYS} for e in engines}
     return {"pair": pair, "engines": [e.name for e in engines], "times": times,
-            "losses": losses, "mem": {e.name: e.mem for e in engines},
+            "losses": losses, "mem": mem, "mem_by_rank": by_rank,
             "notes": {e.name: e.notes for e in engines}}
 
 
@@ -287,8 +290,12 @@ def report(out: list[dict], args) -> str:
                           f"| {lo[-1]:.6f} | {lp[-1]:.6f} | {abs(lo[-1] - lp[-1]) / lp[-1]:.1e} |")
     notes = [f"- {r['pair']} / {name}: {json.dumps(n)}" for r in out
              for name, n in r["notes"].items() if n]
-    return "\n".join(["### Step time", *lines, "", "### Memory per rank (after optimizer.step)",
-                      *mem_lines, "", "### Loss sanity", *loss_lines, "", "### Notes", *notes])
+    notes += [f"- {r['pair']} / {name}: total MiB by rank "
+              + ", ".join(_mib(sum(m[name][k] for k in MEM_KEYS)) for m in r["mem_by_rank"])
+              for r in out for name in r["engines"]]
+    mem_title = "### Memory per rank (after optimizer.step; max over ranks per column)"
+    return "\n".join(["### Step time", *lines, "", mem_title, *mem_lines, "",
+                      "### Loss sanity", *loss_lines, "", "### Notes", *notes])
 
 
 def parse_args(argv=None):
