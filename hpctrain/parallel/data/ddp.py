@@ -126,6 +126,7 @@ class GradReducer:
         for unit in self.units:
             if unit.index not in self._issued:
                 self._ready[unit.index] = 0
+                unit.fill_missing_grads()
                 self._issue(unit)
         for pending in self._pending:
             if pending.work is not None:

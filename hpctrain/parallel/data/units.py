@@ -85,11 +85,16 @@ class FlatUnit:
             return None
         return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
 
-    def all_gather_params(self, group) -> None:
-        """zero 1/2: every rank's updated shard into `full` (in place, views stay valid)."""
+    def all_gather_params(self, group, *, async_op: bool = False) -> dist.Work | None:
+        """zero 1/2: every rank's updated shard into `full` (in place, views stay valid).
+
+        The input is this rank's own slot of the output (`shard` is a view of `full`): the
+        in-place form NCCL documents, and gloo handles it too (checked for 2-4 ranks), so no
+        shard-sized copy is made per unit and step.
+        """
         if group is None or self.layout.n_shards == 1:
-            return
-        dist.all_gather_single(self.full, self.shard.clone(), group=group)
+            return None
+        return dist.all_gather_single(self.full, self.shard, group=group, async_op=async_op)
 
     # -- gradients -----------------------------------------------------------------------------
     def bind_grads(self) -> None:
@@ -105,6 +110,14 @@ class FlatUnit:
             view.copy_(p.grad)
             p.grad = view
 
+    def fill_missing_grads(self) -> None:
+        """zero < 2: parameters that got no gradient since zero_grad contribute zeros."""
+        if self.grad_full is None:
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                p.grad = self._view(self.grad_full, i).zero_()
+
     def pack_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """zero ≥ 2: the full local gradients as one padded flat tensor; p.grad freed."""
         flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
@@ -115,9 +128,13 @@ class FlatUnit:
         return flat
 
     def zero_grad(self) -> None:
+        """zero < 2 is lazy: p.grad is dropped and the next gradient is copied over its bucket
+        slice (adopt_grad) instead of added to zeros, as DDP does; `fill_missing_grads` zeroes
+        the slices no gradient reached. That saves a fill and a read of every bucket per step.
+        """
         if self.grad_full is not None:
-            self.grad_full.zero_()
-            self.bind_grads()
+            for p in self.params:
+                p.grad = None
         else:
             self.grad_shard.zero_()
             for p in self.params:
