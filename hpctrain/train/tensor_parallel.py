@@ -53,6 +53,18 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
     return {"loss_fn": loss_fn, "reduce_grads": reduce_grads, "clip": clip}
 
 
+def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -> dict[str, Any]:
+    """What the data-parallel engine needs to step a tp shard / pipeline stage of the model:
+    replicated-gradient sync over tp before the dp reduction, and the clip norm summed over tp
+    (each replicated value once) and pp. {} for the whole model on every rank."""
+    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if g is not None)
+    if plan is None:
+        return {"norm_groups": groups} if groups else {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    return {"pre_reduce": lambda: sync_tp_grads(params, plan), "norm_groups": groups,
+            "grad_replicas": dict(plan.replicas)}
+
+
 def tp_eval_hooks(step_hooks: dict[str, Any]) -> dict[str, Any]:
     """The subset of `tp_step_hooks` that eval_loss takes (the loss)."""
     return {k: v for k, v in step_hooks.items() if k == "loss_fn"}

@@ -11,8 +11,12 @@ The update is torch's single-tensor AdamW, element-wise on the flat shard:
   θ ← θ(1 − lr·wd)  (only on pieces of ≥2-D parameters),  m ← lerp(m, g, 1 − β1),
   v ← β2 v + (1 − β2) g²,  θ ← θ − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
 Clipping uses the true global norm: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (all-reduced;
-shards are disjoint, so nothing is counted twice). After the update the compute-dtype shard
-is refreshed from the master and, for zero 1/2, all-gathered into the full parameters.
+shards are disjoint, so nothing is counted twice). When the units hold only part of the model
+(tensor-parallel shards, one pipeline stage), the squares are also summed over `norm_groups`,
+and a parameter that `grad_replicas` says is held identically by k ranks of those groups (a
+replicated norm gain under tp) counts ‖g_p‖² / k, so every value is counted once.
+After the update the compute-dtype shard is refreshed from the master and,
+for zero 1/2, all-gathered into the full parameters.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from hpctrain.parallel.data.units import FlatUnit
 
 class ShardedAdamW:
     def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group,
-                 offload: str = "none"):
+                 offload: str = "none", norm_groups: tuple = (),
+                 grad_replicas: dict[int, int] | None = None):
         if optim.name != "adamw":
             raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
         self.units, self.group, self.offload = units, group, offload
+        self.norm_groups = tuple(g for g in norm_groups if g is not None)
+        self._weights = [self._norm_weights(u, grad_replicas or {}) for u in units]
         self.betas, self.eps, self.weight_decay = (optim.beta1, optim.beta2), optim.eps, \
             optim.weight_decay
         self.param_groups = [{"lr": optim.lr}]  # the trainer's set_lr writes here
@@ -51,6 +58,13 @@ class ShardedAdamW:
             return unit.shard  # fp32 training on the device: the shard is the master
         return init.detach().to(device=device, dtype=master_dtype, copy=True)
 
+    @staticmethod
+    def _norm_weights(unit: FlatUnit, replicas: dict[int, int]) -> list[tuple[int, int, int]]:
+        """(lo, hi, k) ranges of the unit's shard whose parameter is replicated on k > 1 ranks."""
+        return [(pc.local_offset, pc.local_offset + pc.length, replicas[id(unit.params[pc.index])])
+                for pc in unit.layout.owned(unit.shard_rank)
+                if replicas.get(id(unit.params[pc.index]), 1) > 1]
+
     def _decay_ranges(self, unit: FlatUnit) -> list[tuple[int, int]]:
         return [(pc.local_offset, pc.local_offset + pc.length)
                 for pc in unit.layout.owned(unit.shard_rank) if len(unit.shapes[pc.index]) >= 2]
@@ -61,10 +75,14 @@ class ShardedAdamW:
 
     def global_grad_norm(self, *, unscale: float = 1.0) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.units[0].device)
-        for g in self.grad_shards():
+        for g, weights in zip(self.grad_shards(), self._weights, strict=True):
             sq += g.double().pow(2).sum()
+            for lo, hi, k in weights:  # count a replicated value once: keep 1/k of it
+                sq -= g[lo:hi].double().pow(2).sum() * (1 - 1 / k)
         if self.group is not None and self.units[0].layout.n_shards > 1:
             dist.all_reduce(sq, group=self.group)
+        for group in self.norm_groups:
+            dist.all_reduce(sq, group=group)
         return math.sqrt(float(sq)) / unscale
 
     # -- the update ------------------------------------------------------------------------------
