@@ -1,7 +1,10 @@
 """The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
 schedule, reduce and clip gradients, measure the bubble. With parallel.tp > 1 the stages are
 tensor-parallel (hpctrain.parallel.pipeline.tp_stages): replicated gradients are synced over tp
-before the dp average and the clip norm is that of the unsharded model.
+before the dp average and the clip norm is that of the unsharded model. With parallel.zero ≥ 1
+the update is the data-parallel engine's (sharded AdamW over dp, the same tp sync and norm via
+`engine_axes`): the schedule runs under its reducer's no_sync, so no dp collective interleaves
+with the pipeline's p2p, and the reduction runs after the schedule on every rank.
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage

@@ -39,7 +39,6 @@ from hpctrain.train.tensor_parallel import (
     engine_axes,
     setup_tensor_parallel,
     take_comm_bytes,
-    tp_eval_hooks,
     tp_step_hooks,
 )
 
@@ -131,7 +130,7 @@ class Trainer:
             result, step_extra = self.dp.train_step(
                 self.micro_batches(step), n_micro=cfg.grad_accum, precision=cfg.train.precision,
                 scaler=self.scaler, grad_clip=cfg.train.grad_clip,
-                **tp_eval_hooks(self.tp_hooks)), {}
+                **self.tp_hooks), {}
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
@@ -197,7 +196,7 @@ class Trainer:
             metrics["eval_loss"] = (
                 self.pipeline.eval_loss(self.eval_batches()) if self.pipeline is not None else
                 eval_loss(self.model, self.eval_batches(), precision=t.precision,
-                          dp_group=self.mesh.group("dp"), **tp_eval_hooks(self.tp_hooks)))
+                          dp_group=self.mesh.group("dp"), **self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()
