@@ -47,14 +47,18 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
 
 def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -> dict[str, Any]:
     """What the data-parallel engine needs to step a tp shard / pipeline stage of the model:
-    replicated-gradient sync over tp before the dp reduction, and the clip norm summed over tp
-    (each replicated value once) and pp. {} for the whole model on every rank."""
+    replicated-gradient sync over tp before the dp reduction (only with sp or replicated kv
+    heads, where those gradients are partial sums; it turns off the overlap of the reduction
+    with backward), and the clip norm summed over tp (each replicated value once) and pp.
+    {} for the whole model on every rank."""
     groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if g is not None)
     if plan is None:
         return {"norm_groups": groups} if groups else {}
-    params = [p for p in model.parameters() if p.requires_grad]
-    return {"pre_reduce": lambda: sync_tp_grads(params, plan), "norm_groups": groups,
-            "grad_replicas": dict(plan.replicas)}
+    axes: dict[str, Any] = {"norm_groups": groups, "grad_replicas": dict(plan.replicas)}
+    if plan.sp or plan.kv_slots:  # else every local gradient is complete: keep the overlap
+        params = [p for p in model.parameters() if p.requires_grad]
+        axes["pre_reduce"] = lambda: sync_tp_grads(params, plan)
+    return axes
 
 
 def take_comm_bytes(plan: TensorParallelPlan | None) -> dict[str, int]:

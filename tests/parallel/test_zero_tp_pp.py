@@ -1,6 +1,7 @@
 """ZeRO composed with tensor and pipeline parallelism.
 
-tp=2 × dp=2 with zero ∈ {0, 1, 2, 3}: fp64 parameters after 3 clipped AdamW steps equal the
+tp=2 × dp=2 with zero ∈ {0, 1, 2, 3} (and 1, 3 with sp):
+fp64 parameters after 3 clipped AdamW steps equal the
 single-process run's slices to 1e-12 (the clip is active, so the norm's replica division is
 exercised). Trainers, fp32: pp=2 × dp=2 with zero ∈ {1, 2} (parameters to 1e-5 and the
 loss trajectory), tp=2 × dp=2 zero=2 + sp and 3D (2×2×2) zero=1 (loss trajectory to 1e-5
@@ -18,9 +19,10 @@ from tests.parallel import zero_tp_helpers as z
 from tests.parallel.trainer_runs import logged_trajectory, train_in_world
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_tp2_dp2_zero_matches_single_process(world4, zero):
-    for err, norms, ref_norms in world4.run(z.tp_dp_zero_errors, zero, 3):
+@pytest.mark.parametrize("zero, sp", [(0, False), (1, False), (2, False), (3, False),
+                                      (1, True), (3, True)])
+def test_tp2_dp2_zero_matches_single_process(world4, zero, sp):
+    for err, norms, ref_norms in world4.run(z.tp_dp_zero_errors, zero, 3, sp=sp):
         assert err < 1e-12, err
         assert norms == pytest.approx(ref_norms, rel=1e-12)
         assert min(norms) > z.CLIP  # clipping was active on every step

@@ -56,14 +56,16 @@ def _reference(cfg, steps: int, *, n: int):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-def tp_dp_zero_errors(zero: int, steps: int) -> tuple[float, list[float], list[float]]:
-    """tp=2 × dp=2 with ZeRO `zero`: (max |param − reference slice|, norms, reference norms)."""
+def tp_dp_zero_errors(zero: int, steps: int, *, sp: bool = False
+                      ) -> tuple[float, list[float], list[float]]:
+    """tp=2 × dp=2 with ZeRO `zero`: (max |param − reference slice|, norms, reference norms).
+    Without sp the reduction overlaps backward; with sp it follows the tp gradient sync."""
     dims, rank = ParallelDims(dp=2, tp=2), dist.get_rank()
     mesh = build_mesh(dims, rank=rank, device=torch.device("cpu"))
     cfg = model_cfg(4)
     ref, ref_norms = _reference(cfg, steps, n=dims.dp * ACCUM)
     model = build_model(cfg, seed=SEED).double()
-    plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=False, cfg=cfg, seed=SEED)
+    plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, cfg=cfg, seed=SEED)
     engine = DataParallel(model, group=mesh.group("dp"), zero=zero, precision="fp32",
                           optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
 
