@@ -172,11 +172,17 @@ def check_not_built(c: Config) -> list[str]:
     p = c.parallel
     # Benchmarks other than bench=train only build the layout's process groups, never a model.
     groups_only = c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train"
-    sharded_dp = p.zero > 0 or p.offload != "none" or p.grad_comm_dtype != "fp32"
-    todo = {"parallel.zero/offload/grad_comm_dtype together with parallel.tp > 1 or "
-            "parallel.pp > 1": sharded_dp and (p.tp > 1 or p.pp > 1) and not groups_only}
-    return [f"{k} is not implemented yet in this version of hpctrain: leave it at its default"
-            for k, on in todo.items() if on]
+    # ZeRO 0-2 compose with tp and pp, ZeRO-3 with tp (the engine works on local parameters);
+    # what is not built or not tested together is refused.
+    todo = {f"parallel.zero={p.zero} with parallel.pp={p.pp} (ZeRO-3 gathers per transformer "
+            "block of a whole model, not per pipeline stage)":
+            (p.zero == 3 and p.pp > 1, "use parallel.zero=1 or 2 with pipeline parallelism"),
+            f"parallel.offload={p.offload!r} / parallel.grad_comm_dtype={p.grad_comm_dtype!r} "
+            f"with parallel.tp={p.tp} or parallel.pp={p.pp}":
+            ((p.offload != "none" or p.grad_comm_dtype != "fp32") and (p.tp > 1 or p.pp > 1),
+             "leave offload=none and grad_comm_dtype=fp32 with tp or pp")}
+    return [f"{k} is not implemented yet in this version of hpctrain: {fix}"
+            for k, (on, fix) in todo.items() if on and not groups_only]
 
 
 def check_bench(c: Config) -> list[str]:

@@ -107,8 +107,12 @@ def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if engine is not None:
         from hpctrain.parallel.data.state import load_full_state
 
-        state = {"model": model_sd, "optim": optim_sd}
+        # Full tensors over dp (the engine's state) and over tp (ckpt_layout): read full-size
+        # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
+        state = ckpt_layout.full_template(model, {"model": model_sd, "optim": optim_sd})
+        state["optim"].pop("param_groups", None)
         dcp.load(state, checkpoint_id=str(path))
+        state = ckpt_layout.to_local(model, state, current={})
         load_full_state(engine, state["model"], state["optim"])
     else:
         _load_replicated_or_tp(path, model, optimizer, {"model": model_sd, "optim": optim_sd})

@@ -1,7 +1,10 @@
 """The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
 schedule, reduce and clip gradients, measure the bubble. With parallel.tp > 1 the stages are
 tensor-parallel (hpctrain.parallel.pipeline.tp_stages): replicated gradients are synced over tp
-before the dp average and the clip norm is that of the unsharded model.
+before the dp average and the clip norm is that of the unsharded model. With parallel.zero ≥ 1
+the update is the data-parallel engine's (sharded AdamW over dp, the same tp sync and norm via
+`engine_axes`): the schedule runs under its reducer's no_sync, so no dp collective interleaves
+with the pipeline's p2p, and the reduction runs after the schedule on every rank.
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
@@ -17,6 +20,7 @@ the pp ranks (the worst rank, like the simulator's bubble rate that takes the sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -68,24 +72,41 @@ class PipelineEngine:
         return self.schedule.n_stages - 1 in self.local.stages
 
     def train_step(self, optimizer: torch.optim.Optimizer, micro_batches, *, scaler: LossScaler,
-                   grad_clip: float) -> tuple[StepResult, dict[str, float]]:
+                   grad_clip: float, engine=None) -> tuple[StepResult, dict[str, float]]:
+        """One batch through the schedule, then the update: with a data-parallel `engine`
+        (ZeRO) its reducer and sharded optimizer, else a flat dp all-reduce and `optimizer`."""
         pp_group, dp_group = self.mesh.group("pp"), self.mesh.group("dp")
-        params = [p for p in self.local.parameters() if p.requires_grad]
         multiplier = scaler.loss_multiplier()
         self.runtime.loss_multiplier = multiplier
         dist.barrier(group=pp_group)  # aligned starts make the measured timelines comparable
         start = time.perf_counter()
-        result = self.runtime.step(list(micro_batches), start=start)
+        # The engine's bucket hooks must not issue dp collectives between the schedule's p2p
+        # messages: gradients only accumulate during the schedule, reduction comes after.
+        with engine.reducer.no_sync() if engine is not None else contextlib.nullcontext():
+            result = self.runtime.step(list(micro_batches), start=start)
         span = time.perf_counter() - start
         self.last_timeline = result.timeline
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.tp_plan is not None:
-            sync_tp_grads(params, self.tp_plan)
-        allreduce_mean(grads, dp_group)
+        if engine is not None:
+            norm, skipped = engine.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                                     grad_clip=grad_clip)
+        else:
+            norm, skipped = self._update(optimizer, scaler=scaler, multiplier=multiplier,
+                                         grad_clip=grad_clip)
         loss = (result.loss_sum if result.loss_sum is not None
                 else torch.tensor(math.nan, device=self.mesh.device))
         loss = loss.to(torch.float64).reshape(())
         allreduce_mean([loss], dp_group)
+        metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
+        return StepResult(float(loss), norm, skipped), metrics
+
+    def _update(self, optimizer, *, scaler: LossScaler, multiplier: float,
+                grad_clip: float) -> tuple[float, bool]:
+        pp_group = self.mesh.group("pp")
+        params = [p for p in self.local.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.tp_plan is not None:
+            sync_tp_grads(params, self.tp_plan)
+        allreduce_mean(grads, self.mesh.group("dp"))
         # Under tp a shard's overflow is seen by one tp rank only: agree over the whole world.
         overflow_group = pp_group if self.tp_plan is None else None
         skipped = scaler.enabled and scaler.found_overflow(grads, group=overflow_group)
@@ -97,8 +118,7 @@ class PipelineEngine:
             norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan)
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
-        return StepResult(float(loss), norm, skipped), metrics
+        return norm, skipped
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:

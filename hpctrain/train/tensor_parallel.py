@@ -1,9 +1,10 @@
 """Trainer glue for tensor parallelism, kept apart so trainer.py and step.py change little.
 
 `setup_tensor_parallel` shards the freshly built model when parallel.tp > 1 (else returns
-None and the single-process path is untouched); `tp_step_hooks` gives train_step/eval_loss the
-vocab-parallel loss, the replicated-gradient sync (before the dp average) and the clip over the
-unsharded model's norm. Every tp rank gets the same batch: the sampler shards by dp only.
+None and the single-process path is untouched); `tp_step_hooks` gives the train and eval steps
+the vocab-parallel loss; `engine_axes` gives the data-parallel engine the replicated-gradient
+sync (before the dp reduction) and the clip norm over the unsharded model (and over pp). Every
+tp rank gets the same batch: the sampler shards by dp only.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from hpctrain.distributed.mesh import Mesh
 from hpctrain.parallel.tensor import (
     TensorParallelPlan,
     apply_tensor_parallel,
-    clip_tp_grads,
     sync_tp_grads,
     verify_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train.step import allreduce_mean
 
 
 def setup_tensor_parallel(model: nn.Module, cfg: Config, mesh: Mesh) -> TensorParallelPlan | None:
@@ -33,7 +32,7 @@ def setup_tensor_parallel(model: nn.Module, cfg: Config, mesh: Mesh) -> TensorPa
 
 
 def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str, Any]:
-    """Keyword arguments for train_step (loss_fn, reduce_grads, clip); {} without tp.
+    """Keyword arguments for the train and eval steps (loss_fn); {} without tp.
     Verifies the plan first, so call it after all model set-up (checkpointing, device)."""
     if plan is None:
         return {}
@@ -43,19 +42,23 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
         return vocab_parallel_cross_entropy(logits_BLv, targets_BL, group=plan.group,
                                             counter=plan.counter)
 
-    def reduce_grads(grads, dp_group):
-        sync_tp_grads(model.parameters(), plan)
-        allreduce_mean(grads, dp_group)
-
-    def clip(params, max_norm):
-        return clip_tp_grads(params, plan, max_norm)
-
-    return {"loss_fn": loss_fn, "reduce_grads": reduce_grads, "clip": clip}
+    return {"loss_fn": loss_fn}
 
 
-def tp_eval_hooks(step_hooks: dict[str, Any]) -> dict[str, Any]:
-    """The subset of `tp_step_hooks` that eval_loss takes (the loss)."""
-    return {k: v for k, v in step_hooks.items() if k == "loss_fn"}
+def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -> dict[str, Any]:
+    """What the data-parallel engine needs to step a tp shard / pipeline stage of the model:
+    replicated-gradient sync over tp before the dp reduction (only with sp or replicated kv
+    heads, where those gradients are partial sums; it turns off the overlap of the reduction
+    with backward), and the clip norm summed over tp (each replicated value once) and pp.
+    {} for the whole model on every rank."""
+    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if g is not None)
+    if plan is None:
+        return {"norm_groups": groups} if groups else {}
+    axes: dict[str, Any] = {"norm_groups": groups, "grad_replicas": dict(plan.replicas)}
+    if plan.sp or plan.kv_slots:  # else every local gradient is complete: keep the overlap
+        params = [p for p in model.parameters() if p.requires_grad]
+        axes["pre_reduce"] = lambda: sync_tp_grads(params, plan)
+    return axes
 
 
 def take_comm_bytes(plan: TensorParallelPlan | None) -> dict[str, int]:

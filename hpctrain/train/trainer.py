@@ -34,11 +34,11 @@ from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.prepare import prepare
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import eval_loss, train_step
+from hpctrain.train.step import eval_loss
 from hpctrain.train.tensor_parallel import (
+    engine_axes,
     setup_tensor_parallel,
     take_comm_bytes,
-    tp_eval_hooks,
     tp_step_hooks,
 )
 
@@ -61,13 +61,15 @@ class Trainer:
             apply_activation_checkpointing(self.model, t.activation_checkpointing)
             self.model.to(mesh.device)
         self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
+        # Gradient reduction (bucketed) and the optimizer (sharded for zero > 0) live in the
+        # data-parallel engine (hpctrain/parallel/data), over the dp group on this rank's tp
+        # shard / pipeline stages. pp with plain DDP keeps torch AdamW and a flat all-reduce.
         self.dp = None
-        if self.pipeline is None and self.tp_plan is None:
-            # Gradient reduction (bucketed, overlapped) and the optimizer (sharded for zero > 0)
-            # live in the data-parallel engine; see hpctrain/parallel/data.
-            self.dp = build_data_parallel(self.model, cfg, mesh)
+        if self.pipeline is None or _sharded_dp(cfg):
+            self.dp = build_data_parallel(self.model, cfg, mesh,
+                                          **engine_axes(self.model, self.tp_plan, mesh))
             self.optimizer = self.dp.optimizer
-        else:  # tp or pp: plain flat dp all-reduce (ZeRO with tp/pp is refused by validation)
+        else:
             self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
@@ -124,15 +126,10 @@ class Trainer:
         t0 = time.perf_counter()
         if self.pipeline is not None:
             result, step_extra = self._pipeline_step(step)
-        elif self.dp is not None:
+        else:
             result, step_extra = self.dp.train_step(
                 self.micro_batches(step), n_micro=cfg.grad_accum, precision=cfg.train.precision,
-                scaler=self.scaler, grad_clip=cfg.train.grad_clip), {}
-        else:
-            result, step_extra = train_step(
-                self.model, self.optimizer, self.micro_batches(step), n_micro=cfg.grad_accum,
-                precision=cfg.train.precision, scaler=self.scaler,
-                dp_group=self.mesh.group("dp"), grad_clip=cfg.train.grad_clip,
+                scaler=self.scaler, grad_clip=cfg.train.grad_clip,
                 **self.tp_hooks), {}
         dt = time.perf_counter() - t0
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
@@ -147,7 +144,8 @@ class Trainer:
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
         needs the tokens, the last the targets) and runs its schedule (hpctrain.train.pipeline)."""
         return self.pipeline.train_step(self.optimizer, self.micro_batches(step),
-                                        scaler=self.scaler, grad_clip=self.cfg.train.grad_clip)
+                                        scaler=self.scaler, grad_clip=self.cfg.train.grad_clip,
+                                        engine=self.dp)
 
     def memory_metrics(self) -> dict[str, int]:
         ledger = (self.dp.ledger() if self.dp is not None else
@@ -198,7 +196,7 @@ class Trainer:
             metrics["eval_loss"] = (
                 self.pipeline.eval_loss(self.eval_batches()) if self.pipeline is not None else
                 eval_loss(self.model, self.eval_batches(), precision=t.precision,
-                          dp_group=self.mesh.group("dp"), **tp_eval_hooks(self.tp_hooks)))
+                          dp_group=self.mesh.group("dp"), **self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()
@@ -237,3 +235,8 @@ class Trainer:
                      schedule=schedule(wait=1, warmup=1, active=self.cfg.train.profile_steps),
                      on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
             yield prof
+
+
+def _sharded_dp(cfg: Config) -> bool:
+    p = cfg.parallel
+    return p.zero > 0 or p.offload != "none" or p.grad_comm_dtype != "fp32"

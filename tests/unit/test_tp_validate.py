@@ -28,3 +28,26 @@ def test_tp_shape_errors(overrides, match, tmp_path):
 def test_tp_and_sp_accepted(tmp_path):
     cfg = make_config(BASE + ["parallel.sp=true"], run_dir=tmp_path)
     assert cfg.parallel.tp == 4 and cfg.parallel.sp
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_tp_accepted(zero, tmp_path):
+    assert make_config(BASE + [f"parallel.zero={zero}"], run_dir=tmp_path).parallel.zero == zero
+
+
+PP = ["model=debug", "train=debug", "logger.wandb=disabled", "cluster.procs_per_node=4",
+      "parallel.pp=2", "parallel.dp=2", "train.global_batch_size=8"]
+
+
+def test_zero_with_pp_accepted_up_to_stage_2(tmp_path):
+    assert make_config(PP + ["parallel.zero=2"], run_dir=tmp_path).parallel.zero == 2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.zero=3"], r"parallel.zero=3 with parallel.pp=2 .* use parallel.zero=1 or 2"),
+    (["parallel.zero=1", "parallel.offload=cpu"],
+     r"parallel.offload='cpu' .* with parallel.tp=1 or parallel.pp=2 .* leave offload=none"),
+])
+def test_zero_with_pp_refusals(overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        make_config(PP + overrides, run_dir=tmp_path)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from hpctrain.parallel.data.engine import DataParallel
 
 
-def build_data_parallel(model, cfg, mesh) -> DataParallel:
-    """The trainer's engine for `cfg.parallel` (zero, bucket_mb, grad_comm_dtype, offload)."""
+def build_data_parallel(model, cfg, mesh, **axes) -> DataParallel:
+    """The trainer's engine for `cfg.parallel` (zero, bucket_mb, grad_comm_dtype, offload) over
+    the dp group; `axes` (pre_reduce, norm_groups, grad_replicas) compose it with tp and pp."""
     p = cfg.parallel
     return DataParallel(model, group=mesh.group("dp"), zero=p.zero,
                         precision=cfg.train.precision, optim=cfg.optim, bucket_mb=p.bucket_mb,
-                        grad_comm_dtype=p.grad_comm_dtype, offload=p.offload)
+                        grad_comm_dtype=p.grad_comm_dtype, offload=p.offload, **axes)
 
 
 __all__ = ["DataParallel", "build_data_parallel"]

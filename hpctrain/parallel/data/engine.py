@@ -6,11 +6,23 @@ micro-batches run under `reducer.no_sync()` except the last of the accumulation 
 the reduction is finished explicitly, overflow is agreed by all ranks (fp16), and the sharded
 optimizer clips by the global norm and updates.
 
+Composition with tensor and pipeline parallelism: the engine works over the dp group on the
+local parameters a rank holds (tp shards, pipeline stages). What the other axes need is passed
+in, not special-cased here: `pre_reduce` runs on the local gradients before the dp reduction
+(tp: complete the partial gradients of replicated parameters) — with it, reduction is not
+overlapped with backward, every collective is issued by `reduce_and_update`; `norm_groups` and
+`grad_replicas` make the clip norm that of the whole model (see ShardedAdamW). A pipeline runs
+its schedule under `reducer.no_sync()` (no dp collective in the middle of the schedule's p2p)
+and then calls `reduce_and_update`.
+
 Precision: for bf16/fp16 the model's parameters are cast to 16 bits (compute copies) and fp32
 masters live in the optimizer shards; fp32 (and fp64) parameters are their own masters.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,10 +50,15 @@ def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, el
 
 class DataParallel:
     def __init__(self, model: torch.nn.Module, *, group, zero: int, precision: str, optim,
-                 bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none"):
+                 bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none",
+                 pre_reduce: Callable[[], None] | None = None, norm_groups: tuple = (),
+                 grad_replicas: dict[int, int] | None = None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
-        self.model, self.group, self.zero = model, group, zero
+        self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
+        # Overflow must be agreed by every rank that steps together: the dp group alone only
+        # when the units hold the whole model.
+        self.overflow_group = group if not any(g is not None for g in norm_groups) else None
         dp = 1 if group is None else dist.get_world_size(group)
         rank = 0 if group is None else dist.get_rank(group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -53,26 +70,38 @@ class DataParallel:
         self.zero3 = Zero3Params(model, self.units, group=group) if zero == 3 else None
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
-        self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload)
+        self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
+                                      norm_groups=norm_groups, grad_replicas=grad_replicas)
         self.optimizer.engine = self  # checkpoint.py reaches the state dict through it
 
     def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
-                   grad_clip: float) -> StepResult:
+                   grad_clip: float, loss_fn: Callable = lm_loss) -> StepResult:
         device = self.units[0].device
         multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (inputs_BL, targets_BL) in enumerate(micro_batches):
-            last = i == n_micro - 1
-            with self.reducer.no_sync() if not last else _null():
+            overlap = i == n_micro - 1 and self.pre_reduce is None
+            with self.reducer.no_sync() if not overlap else contextlib.nullcontext():
                 with autocast(precision, device):
                     logits = self.model(inputs_BL.to(device))
-                loss = lm_loss(logits, targets_BL.to(device)) / n_micro
+                loss = loss_fn(logits, targets_BL.to(device)) / n_micro
                 (loss * multiplier).backward()
             loss_sum += loss.detach().double()
-        self.reducer.finish()
+        norm, skipped = self.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                               grad_clip=grad_clip)
         allreduce_mean([loss_sum], self.group)
+        return StepResult(float(loss_sum), norm, skipped)
+
+    def reduce_and_update(self, *, scaler: LossScaler, multiplier: float,
+                          grad_clip: float) -> tuple[float, bool]:
+        """After backward (overlapped, or run under `reducer.no_sync()`): pre_reduce, finish the
+        dp reduction, agree on overflow, clip + update, zero the gradients. Collective over the
+        world when norm_groups are set. Returns (grad norm before clipping, skipped)."""
+        if self.pre_reduce is not None:
+            self.pre_reduce()
+        self.reducer.finish()
         skipped = scaler.enabled and scaler.found_overflow(self.optimizer.grad_shards(),
-                                                           group=self.group)
+                                                           group=self.overflow_group)
         scaler.update(skipped)
         norm = float("nan")
         if not skipped:
@@ -80,7 +109,7 @@ class DataParallel:
         self.optimizer.zero_grad()
         if self.zero3 is not None:
             self.zero3.free_all()
-        return StepResult(float(loss_sum), norm, skipped)
+        return norm, skipped
 
     def ledger(self) -> dict[str, int]:
         """Bytes this rank holds now, de-duplicated by storage (what `model_state_bytes` models).
@@ -105,9 +134,3 @@ class DataParallel:
     def padding(self) -> int:
         """Padding elements in this rank's shards (zero ≥ 1) — what the formulas leave out."""
         return sum(u.layout.padding for u in self.units)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()

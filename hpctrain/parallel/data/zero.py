@@ -11,8 +11,12 @@ The update is torch's single-tensor AdamW, element-wise on the flat shard:
   θ ← θ(1 − lr·wd)  (only on pieces of ≥2-D parameters),  m ← lerp(m, g, 1 − β1),
   v ← β2 v + (1 − β2) g²,  θ ← θ − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
 Clipping uses the true global norm: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (all-reduced;
-shards are disjoint, so nothing is counted twice). After the update the compute-dtype shard
-is refreshed from the master and, for zero 1/2, all-gathered into the full parameters.
+shards are disjoint, so nothing is counted twice). When the units hold only part of the model
+(tensor-parallel shards, one pipeline stage), the squares are also summed over `norm_groups`,
+and a parameter that `grad_replicas` says is held identically by k ranks of those groups (a
+replicated norm gain under tp) counts ‖g_p‖² / k, so every value is counted once.
+After the update the compute-dtype shard is refreshed from the master and,
+for zero 1/2, all-gathered into the full parameters.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ ADAM_CHUNK = 1 << 16  # elements per update slice: 256 KiB of fp32, a few slices
 
 class ShardedAdamW:
     def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group,
-                 offload: str = "none"):
+                 offload: str = "none", norm_groups: tuple = (),
+                 grad_replicas: dict[int, int] | None = None):
         if optim.name != "adamw":
             raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
         self.units, self.group, self.offload = units, group, offload
+        self.norm_groups = tuple(g for g in norm_groups if g is not None)
+        self._weights = [self._norm_weights(u, grad_replicas or {}) for u in units]
         self.betas, self.eps, self.weight_decay = (optim.beta1, optim.beta2), optim.eps, \
             optim.weight_decay
         self.param_groups = [{"lr": optim.lr}]  # the trainer's set_lr writes here
@@ -53,6 +60,13 @@ class ShardedAdamW:
             return unit.shard  # fp32 training on the device: the shard is the master
         return init.detach().to(device=device, dtype=master_dtype, copy=True)
 
+    @staticmethod
+    def _norm_weights(unit: FlatUnit, replicas: dict[int, int]) -> list[tuple[int, int, int]]:
+        """(lo, hi, k) ranges of the unit's shard whose parameter is replicated on k > 1 ranks."""
+        return [(pc.local_offset, pc.local_offset + pc.length, replicas[id(unit.params[pc.index])])
+                for pc in unit.layout.owned(unit.shard_rank)
+                if replicas.get(id(unit.params[pc.index]), 1) > 1]
+
     def _decay_ranges(self, unit: FlatUnit) -> list[tuple[int, int]]:
         return [(pc.local_offset, pc.local_offset + pc.length)
                 for pc in unit.layout.owned(unit.shard_rank) if len(unit.shapes[pc.index]) >= 2]
@@ -66,11 +80,16 @@ class ShardedAdamW:
         # clip_grad_norm_ does per tensor: no fp64 copy of the gradients (that cost a full
         # extra pass and allocation per step, ~30x slower on CPU).
         sq = torch.zeros((), dtype=torch.float64, device=self.units[0].device)
-        for g in self.grad_shards():
+        for g, weights in zip(self.grad_shards(), self._weights, strict=True):
             acc = torch.promote_types(g.dtype, torch.float32)
             sq += torch.linalg.vector_norm(g, dtype=acc).double().square()
+            for lo, hi, k in weights:  # count a replicated value once: keep 1/k of it
+                part = torch.linalg.vector_norm(g[lo:hi], dtype=acc).double().square()
+                sq -= part * (1 - 1 / k)
         if self.group is not None and self.units[0].layout.n_shards > 1:
             dist.all_reduce(sq, group=self.group)
+        for group in self.norm_groups:
+            dist.all_reduce(sq, group=group)
         return math.sqrt(float(sq)) / unscale
 
     # -- the update ------------------------------------------------------------------------------

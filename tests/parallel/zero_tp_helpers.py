@@ -1,0 +1,109 @@
+"""Rank-side functions for the ZeRO × tp × pp tests (module-level: they are pickled).
+
+tp=2 × dp=2: every rank builds the single-process fp64 reference from the same seed and trains
+it with torch AdamW on the whole global batch; the parallel run shards the same model over tp,
+wraps it in the data-parallel engine (ZeRO over dp, tp hooks passed in) and feeds each dp rank
+its slice of the global batch. Parameters are compared slice by slice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain.distributed.dims import ParallelDims
+from hpctrain.distributed.mesh import build_mesh
+from hpctrain.models import build_model
+from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.state import full_model_state
+from hpctrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from hpctrain.train.optim import build_optimizer
+from hpctrain.train.scaler import LossScaler
+from hpctrain.train.step import train_step
+from hpctrain.train.tensor_parallel import engine_axes
+from hpctrain.train.trainer import Trainer
+from tests.conftest import make_config
+from tests.parallel.dp_helpers import OPTIM
+from tests.parallel.threed_reference import expected_slice, model_cfg
+
+SEED, MICRO, SEQ, ACCUM = 7, 2, 8, 2
+CLIP = 0.05  # below the gradient norm: the clip (and its replica-aware norm) is exercised
+
+
+def _micro_batches(step: int, *, n: int, vocab: int):
+    g = torch.Generator().manual_seed(100 + step)
+    seqs = torch.randint(0, vocab, (n, MICRO, SEQ + 1), generator=g)
+    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+
+
+def _fp64_loss(logits_BLV, targets_BL):
+    """lm_loss without its cast to fp32 (the vocab-parallel loss keeps fp64)."""
+    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+
+
+def _reference(cfg, steps: int, *, n: int):
+    model = build_model(cfg, seed=SEED).double()
+    opt = build_optimizer(model.named_parameters(), OPTIM)
+    norms = []
+    for step in range(steps):
+        r = train_step(model, opt, _micro_batches(step, n=n, vocab=cfg.vocab_size), n_micro=n,
+                       precision="fp32", scaler=LossScaler(enabled=False), dp_group=None,
+                       grad_clip=CLIP, loss_fn=_fp64_loss)
+        norms.append(r.grad_norm)
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
+
+
+def tp_dp_zero_errors(zero: int, steps: int, *, sp: bool = False
+                      ) -> tuple[float, list[float], list[float]]:
+    """tp=2 × dp=2 with ZeRO `zero`: (max |param − reference slice|, norms, reference norms).
+    Without sp the reduction overlaps backward; with sp it follows the tp gradient sync."""
+    dims, rank = ParallelDims(dp=2, tp=2), dist.get_rank()
+    mesh = build_mesh(dims, rank=rank, device=torch.device("cpu"))
+    cfg = model_cfg(4)
+    ref, ref_norms = _reference(cfg, steps, n=dims.dp * ACCUM)
+    model = build_model(cfg, seed=SEED).double()
+    plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, cfg=cfg, seed=SEED)
+    engine = DataParallel(model, group=mesh.group("dp"), zero=zero, precision="fp32",
+                          optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
+
+    def loss_fn(logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, group=plan.group,
+                                            counter=plan.counter)
+
+    dp_rank, norms = mesh.coord("dp"), []
+    for step in range(steps):
+        mbs = _micro_batches(step, n=dims.dp * ACCUM, vocab=cfg.vocab_size)
+        mine = [mbs[m * dims.dp + dp_rank] for m in range(ACCUM)]  # micro m, replica dp_rank
+        r = engine.train_step(mine, n_micro=ACCUM, precision="fp32",
+                              scaler=LossScaler(enabled=False), grad_clip=CLIP, loss_fn=loss_fn)
+        norms.append(r.grad_norm)
+    got = full_model_state(engine)
+    err = max(float((got[n] - expected_slice(n, ref[n], cfg, tp=2, tp_rank=mesh.coord("tp")))
+                    .abs().max()) for n in got)
+    return err, norms, ref_norms
+
+
+STEPS = 3
+
+
+def train_params(overrides: list[str], run_dir: str):
+    """Trainer run (fp32, model=debug): (loss/norm trajectory, this rank's full-over-dp,
+    full-over-tp parameters by name or None under tp > 1)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = make_config(["model=debug", "train=debug", "logger.wandb=disabled",
+                       "data.max_bytes=200000", f"train.steps={STEPS}", "train.eval_every=0",
+                       "train.global_batch_size=8", "optim.warmup_steps=1",
+                       f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
+                      run_dir=run_dir)
+    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+    trainer = Trainer(cfg, mesh)
+    trainer.run()
+    params = None
+    if cfg.parallel.tp == 1:
+        params = (full_model_state(trainer.dp) if trainer.dp is not None else
+                  {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    return [(h["loss"], h["grad_norm"]) for h in trainer.history], params
