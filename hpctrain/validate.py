@@ -204,8 +204,9 @@ def check_pipeline(c: Config) -> list[str]:
 
     errs = []
     try:
-        build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
-                       virtual_stages=p.virtual_stages)
+        schedule = build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
+                                  virtual_stages=p.virtual_stages)
+        errs += _nccl_p2p_problems(c, schedule)
     except ValueError as err:
         errs.append(str(err))
     if c.model.tied_embeddings:
@@ -215,6 +216,26 @@ def check_pipeline(c: Config) -> list[str]:
         errs.append(f"train.activation_checkpointing={c.train.activation_checkpointing} is not "
                     "implemented with parallel.pp > 1 yet: set it to none")
     return errs
+
+
+def _nccl_p2p_problems(c: Config, schedule) -> list[str]:
+    """On NCCL, p2p is matched by order and runs in batched groups: the lowered schedule must
+    complete under those rules (hpctrain.parallel.pipeline.batching)."""
+    from hpctrain.distributed.device import resolve_device_type
+    from hpctrain.parallel.pipeline.batching import check_batched
+    from hpctrain.parallel.pipeline.lowering import lower_comm
+
+    backend = c.cluster.backend
+    if backend == "auto":
+        backend = "nccl" if resolve_device_type(c.cluster.device) == "cuda" else "gloo"
+    if backend != "nccl":
+        return []
+    try:
+        check_batched(lower_comm(schedule))
+    except ValueError as err:
+        return [f"{err} (parallel.pp={c.parallel.pp}, microbatches={c.grad_accum}): on NCCL "
+                "use parallel.schedule=1f1b, zb_h1 or gpipe, or another microbatch count"]
+    return []
 
 
 def _errors_of(c: Config, *builders) -> list[str]:

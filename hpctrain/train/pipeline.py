@@ -64,7 +64,8 @@ class PipelineEngine:
                                          dim=cfg.model.dim, tp=p.tp, sp=p.sp)
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
-                                       act_shape=self.act_shape, precision=t.precision)
+                                       act_shape=self.act_shape, precision=t.precision,
+                                       batched=dist.get_backend() == "nccl")
         self.last_timeline: Timeline = []
 
     @property

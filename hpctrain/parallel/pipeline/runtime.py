@@ -10,8 +10,10 @@ The order, the split of the backward and the placement of sends and receives all
                 only input gradients (and the non-Linear parameters') are computed now.
   W(s, i)       runs the queued weight gradients of microbatch i.
   BW(s, i)      full backward (nothing deferred).
-  SEND_*/RECV_* tagged isend / blocking recv (hpctrain.distributed.comm). Received shapes are
-                known: (micro_batch, seq_len, dim) in the parameters' dtype.
+  SEND_*/RECV_* tagged isend / blocking recv (hpctrain.distributed.comm) on gloo; on NCCL
+                (`batched=True`) each run of consecutive SEND/RECV actions is one
+                `batch_isend_irecv` group (hpctrain.parallel.pipeline.batching says why).
+                Received shapes are known: (micro_batch, seq_len, dim) in the params' dtype.
 
 A produced tensor goes to a mailbox keyed (kind, receiving stage, microbatch): a SEND takes it
 from there, or — when the neighbour stage lives on this rank (zbv) — the next F/B does.
@@ -25,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.distributed.comm import Outbox, message_tag, recv
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
+from hpctrain.parallel.pipeline.batching import comm_groups
 from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.train.step import autocast
 
@@ -62,8 +66,9 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
                  peers: Sequence[int], act_shape: tuple[int, int, int], precision: str = "fp32",
-                 loss_multiplier: float = 1.0):
+                 loss_multiplier: float = 1.0, batched: bool = False):
         self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
+        self.batched = batched
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
         self.loss_multiplier = loss_multiplier
@@ -82,13 +87,15 @@ class PipelineRuntime:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
         st = _StepState(micro_batches, time.perf_counter() if start is None else start)
-        for action in self.actions:
-            if action.kind.is_compute:
+        for item in comm_groups(self.actions) if self.batched else self.actions:
+            if isinstance(item, tuple):
+                self._exchange(st, item)
+            elif item.kind.is_compute:
                 t0 = time.perf_counter() - st.start
-                self._handlers[action.kind](st, action)
-                st.timeline.append((t0, time.perf_counter() - st.start, action))
+                self._handlers[item.kind](st, item)
+                st.timeline.append((t0, time.perf_counter() - st.start, item))
             else:
-                self._handlers[action.kind](st, action)
+                self._handlers[item.kind](st, item)
         st.outbox.wait_all()
         self._check_drained(st)
         return PipelineResult(st.loss_sum, st.timeline)
@@ -160,6 +167,25 @@ class PipelineRuntime:
         st.mail[kind, to_stage, a.microbatch] = recv(
             self.act_shape, dtype=self.dtype, device=self.device, src=self._peer(peer_stage),
             tag=tag)
+
+    def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
+        """One batched group of sends and receives; returns when all of them completed."""
+        ops, received = [], []
+        for a in group:
+            kind, to_stage, peer_stage = self._route(a)
+            tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                              n_stages=self.schedule.n_stages)
+            peer = self._peer(peer_stage)
+            if a.kind in (K.SEND_F, K.SEND_B):
+                payload = st.mail.pop((kind, to_stage, a.microbatch)).detach().contiguous()
+                ops.append(dist.P2POp(dist.isend, payload, peer, tag=tag))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+                received.append(((kind, to_stage, a.microbatch), buf))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        st.mail.update(received)
 
     def _peer(self, stage: int) -> int:
         return self.peers[self.schedule.stage_to_rank[stage]]
