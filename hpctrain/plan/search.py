@@ -57,12 +57,15 @@ def enumerate_layouts(
     schedules: Sequence[str], zero_stages: Sequence[int], virtual_stages: Sequence[int],
 ) -> Iterator[Layout]:
     """Valid layouts with dp·tp·pp = n_devices (`layout_problems` empty); sp on when tp > 1;
-    ZeRO stages > 0 only when dp > 1 (they shard nothing otherwise)."""
+    ZeRO stages > 0 only when dp > 1 (they shard nothing otherwise); no ZeRO-3 with pipelines
+    (hpctrain gathers ZeRO-3 parameters per block of a whole model, so it refuses that mix)."""
     for tp in _divisors(n_devices):
         for pp in _divisors(n_devices // tp):
             dp = n_devices // (tp * pp)
             for schedule, v in _pipelines(pp, schedules, virtual_stages):
                 for zero in zero_stages if dp > 1 else (0,):
+                    if zero == 3 and pp > 1:
+                        continue
                     layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
                                     sp=tp > 1, schedule=schedule)
                     if not layout_problems(model, layout, global_batch=global_batch,
