@@ -51,4 +51,6 @@ def print_summary(summary: dict[str, Any]) -> None:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     lines = [f"  {k:<22} {fmt(v)}" for k, v in summary.items() if v is not None]
+    if summary.get("mfu") is None:
+        lines.append(f"  {'mfu':<22} null (no dense bf16 peak known for this device)")
     log.info("run summary:\n%s", "\n".join(lines))
