@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from hpctrain.distributed.dims import ParallelDims
-from hpctrain.distributed.mesh import build_mesh
 from hpctrain.parallel.tensor import tp_activation_bytes
-from hpctrain.train.trainer import Trainer
-from tests.conftest import get_world, make_config
+from tests.conftest import get_world
+from tests.parallel.trainer_runs import run_trainer
 
 STEPS = 3
 
 
 def _train(overrides: list[str], run_dir: str):
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cfg = make_config(["model=debug", "train=debug", "logger.wandb=disabled",
-                       "data.max_bytes=200000", f"train.steps={STEPS}", "train.eval_every=3",
-                       f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
-                      run_dir=run_dir)
-    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
-    trainer.run()
+    # train=debug's own batch and warmup, evaluated at the last step.
+    trainer = run_trainer(["train.global_batch_size=4", "optim.warmup_steps=20",
+                           "train.eval_every=3", *overrides], run_dir, steps=STEPS)
     return [(h["loss"], h["grad_norm"], h.get("comm_tp_bytes"), h.get("eval_loss"))
             for h in trainer.history]
 

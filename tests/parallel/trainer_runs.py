@@ -15,17 +15,25 @@ from tests.conftest import make_config
 STEPS = 4
 
 
-def train_in_world(overrides: list[str], run_dir: str) -> list[tuple[float, float]]:
+BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=200000",
+        "train.eval_every=0", "train.global_batch_size=8", "optim.warmup_steps=1"]
+
+
+def run_trainer(overrides: list[str], run_dir: str, *, steps: int) -> Trainer:
+    """The real Trainer on this rank of the world (cluster = the world), after `run()`."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cfg = make_config(["model=debug", "train=debug", "logger.wandb=disabled",
-                       "data.max_bytes=200000", f"train.steps={STEPS}", "train.eval_every=0",
-                       "train.global_batch_size=8", "optim.warmup_steps=1",
+    cfg = make_config([*BASE, f"train.steps={steps}",
                        f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
                       run_dir=run_dir)
     dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     trainer = Trainer(cfg, mesh)
     trainer.run()
+    return trainer
+
+
+def train_in_world(overrides: list[str], run_dir: str) -> list[tuple[float, float]]:
+    trainer = run_trainer(overrides, run_dir, steps=STEPS)
     return [(h["loss"], h["grad_norm"]) for h in trainer.history]
 
 

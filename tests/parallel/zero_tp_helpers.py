@@ -8,8 +8,6 @@ its slice of the global batch. Parameters are compared slice by slice.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,10 +22,9 @@ from hpctrain.train.optim import build_optimizer
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import train_step
 from hpctrain.train.tensor_parallel import engine_axes
-from hpctrain.train.trainer import Trainer
-from tests.conftest import make_config
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.threed_reference import expected_slice, model_cfg
+from tests.parallel.trainer_runs import run_trainer
 
 SEED, MICRO, SEQ, ACCUM = 7, 2, 8, 2
 CLIP = 0.05  # below the gradient norm: the clip (and its replica-aware norm) is exercised
@@ -92,16 +89,8 @@ STEPS = 3
 def train_params(overrides: list[str], run_dir: str):
     """Trainer run (fp32, model=debug): (loss/norm trajectory, this rank's full-over-dp,
     full-over-tp parameters by name or None under tp > 1)."""
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cfg = make_config(["model=debug", "train=debug", "logger.wandb=disabled",
-                       "data.max_bytes=200000", f"train.steps={STEPS}", "train.eval_every=0",
-                       "train.global_batch_size=8", "optim.warmup_steps=1",
-                       f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
-                      run_dir=run_dir)
-    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
-    trainer.run()
+    trainer = run_trainer(overrides, run_dir, steps=STEPS)
+    cfg = trainer.cfg
     params = None
     if cfg.parallel.tp == 1:
         params = (full_model_state(trainer.dp) if trainer.dp is not None else

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
+from hpctrain.parallel.pipeline.lowering import message_key
 
 K = ActionKind
 Op = tuple[str, int, int, int]  # ("send" | "recv", peer rank, ordinal on that pair, message id)
@@ -43,15 +44,6 @@ def _peer_stage(a: Action) -> int:
     return a.stage + 1 if a.kind in (K.SEND_F, K.RECV_B) else a.stage - 1
 
 
-def _message(a: Action) -> tuple[str, int, int]:
-    """The key a send shares with its receive: (direction, receiving stage, microbatch)."""
-    if a.kind is K.SEND_F:
-        return ("F", a.stage + 1, a.microbatch)
-    if a.kind is K.SEND_B:
-        return ("B", a.stage - 1, a.microbatch)
-    return ("F" if a.kind is K.RECV_F else "B", a.stage, a.microbatch)
-
-
 def _ops(schedule: Schedule) -> list[list[list[Op]]]:
     """Per rank, per communication group: its ops with their per-pair ordinals."""
     seen: Counter = Counter()
@@ -66,7 +58,7 @@ def _ops(schedule: Schedule) -> list[list[list[Op]]]:
                 peer = schedule.stage_to_rank[_peer_stage(a)]
                 kind = "send" if a.kind in (K.SEND_F, K.SEND_B) else "recv"
                 pair = (rank, peer) if kind == "send" else (peer, rank)
-                ops.append((kind, peer, seen[kind, pair], hash(_message(a))))
+                ops.append((kind, peer, seen[kind, pair], hash(message_key(a))))
                 seen[kind, pair] += 1
             groups.append(ops)
         out.append(groups)

@@ -49,7 +49,7 @@ def lower_comm(schedule: Schedule) -> Schedule:
     return replace(schedule, actions=actions)
 
 
-def _message(a: Action) -> tuple[str, int, int]:
+def message_key(a: Action) -> tuple[str, int, int]:
     """(direction, receiving stage, microbatch): the key shared by a send and its recv."""
     if a.kind is K.SEND_F:
         return ("F", a.stage + 1, a.microbatch)
@@ -95,15 +95,15 @@ def execute_lowered(schedule: Schedule) -> list[tuple[int, Action]]:
             while ptr[rank] < len(acts):
                 a = acts[ptr[rank]]
                 if a.kind in (K.SEND_F, K.SEND_B):
-                    key = _message(a)
+                    key = message_key(a)
                     if key in inbox or key in received:
                         raise ValueError(f"{schedule.name}: {a} on rank {rank} sends twice")
                     inbox[key] = rank
                 elif a.kind in (K.RECV_F, K.RECV_B):
-                    if _message(a) not in inbox:
+                    if message_key(a) not in inbox:
                         break  # blocking recv
-                    received.add(_message(a))
-                    del inbox[_message(a)]
+                    received.add(message_key(a))
+                    del inbox[message_key(a)]
                     known[rank].add(_delivered(a))
                 else:
                     _run_compute(a, rank, known[rank], schedule)
