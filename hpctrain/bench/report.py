@@ -134,7 +134,8 @@ def write_report(records: list[dict], *, b: BenchConfig, cfg, run_dir: Path) -> 
     md += _comm_md(records) + _p2p_md(records) + _gemm_md(records) + _train_md(records)
     md += _outliers_md(findings, exclude, b.outlier_fraction)
     (run_dir / "bench_report.md").write_text("\n".join(md))
-    _log_wandb(records)
+    _log_wandb(records, plots, cfg=cfg, run_dir=run_dir,
+               summary={"outliers": len(findings), "exclude": exclude})
     log.info("bench report: %s (%d records, %d outlier(s))", run_dir / "bench_report.md",
              len(records), len(findings))
     return {"bench": b.name, "records": len(records), "json": str(run_dir / "bench.json"),
@@ -142,13 +143,31 @@ def write_report(records: list[dict], *, b: BenchConfig, cfg, run_dir: Path) -> 
             "outliers": [f.as_dict() for f in findings], "exclude": exclude}
 
 
-def _log_wandb(records: list[dict]) -> None:
-    """One W&B table per benchmark, only if this process already has an active W&B run."""
-    wandb = sys.modules.get("wandb")
-    if wandb is None or getattr(wandb, "run", None) is None:
+def _log_wandb(records: list[dict], plots, *, cfg, run_dir: Path, summary: dict) -> None:
+    """On the report rank: one W&B table per benchmark, the plots as images, the outlier
+    verdict in the summary. Uses the active run, else opens this run dir's run (online with a
+    key, offline otherwise, the id kept in wandb_id.txt) unless logger.wandb=disabled."""
+    if cfg.logger.wandb == "disabled":
         return
+    import dataclasses
+
+    import wandb
+
+    from hpctrain.metrics.wandb_logger import WandbLogger
+
+    own = None
+    if wandb.run is None:
+        own = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
+    payload = {}
     for bench in sorted({r["bench"] for r in records}):
         rows = [r for r in records if r["bench"] == bench]
         cols = sorted({k for r in rows for k in r})
-        table = wandb.Table(columns=cols, data=[[_fmt(r.get(c)) for c in cols] for r in rows])
-        wandb.log({f"bench/{bench}": table})
+        payload[f"bench/{bench}"] = wandb.Table(
+            columns=cols, data=[[_fmt(r.get(c)) for c in cols] for r in rows])
+    for name, path in plots.items():
+        payload[f"bench_plot/{name}"] = wandb.Image(path)
+    wandb.log(payload)
+    for key, value in summary.items():
+        wandb.run.summary[f"bench/{key}"] = value
+    if own is not None:
+        own.close()

@@ -110,3 +110,14 @@ def test_sweep_with_injected_slow_rank_names_it_in_the_report(tmp_path):
     report = (tmp_path / "1" / "bench_report.md").read_text()
     assert "rank 1" in report and f"--exclude={node}" in report
     assert (tmp_path / "1" / "bench_gemm.png").exists()
+
+
+def test_bench_results_go_to_wandb_offline(tmp_path):
+    from tests import wandb_records
+
+    _hpctrain("task=bench", "bench=comm", "bench.min_bytes=256", "bench.max_bytes=1024",
+              "logger.wandb=offline", f"hydra.run.dir={tmp_path}")
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1  # one run, from the report rank only
+    keys = {k for row in wandb_records.history(files[0]) for k in row}
+    assert "bench/comm/_type" in keys and "bench_plot/comm/_type" in keys, keys
