@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from hpctrain import config, tasks
+from hpctrain.launch.rundir_lock import RunDirBusy
+from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
 
 log = logging.getLogger("hpctrain")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
+    install_log_filter(cfg.get("cluster", {}).get("env") or {})
+    _redact_hydra_outputs()
     try:
         parsed = config.parse(cfg)
     except ValueError as err:
@@ -22,7 +27,25 @@ def main(cfg: DictConfig) -> dict | None:
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
-    return tasks.run(parsed)
+    try:
+        return tasks.run(parsed)
+    except RunDirBusy as err:
+        log.error("%s", err)
+        sys.exit(2)
+
+
+def _redact_hydra_outputs() -> None:
+    """Hydra saved the composed config and the command line before calling us: mask secrets
+    (cluster.env entries, `...KEY=...` overrides) in those files."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.output_subdir is None:
+        return
+    out = Path(hc.runtime.output_dir) / hc.output_subdir
+    redact_yaml_files(out / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml"))
 
 
 def _in_sweep() -> bool:

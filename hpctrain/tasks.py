@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.launch import rundir_lock
 
 
 def train_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
@@ -27,6 +29,8 @@ def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
 
 
 RANK_TASKS = {"train": train_task, "bench": bench_task}
+
+
 def plan_task(cfg: Config) -> dict[str, Any]:
     from hpctrain.plan.task import run_plan
 
@@ -46,13 +50,23 @@ def _needs_data(cfg: Config) -> bool:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Run an analytical task here, or prepare shared inputs once and launch the ranks."""
+    """Run an analytical task here, or prepare shared inputs once and launch the ranks.
+
+    Rank tasks own their run directory while they run (hpctrain.launch.rundir_lock): the
+    launcher holds the lock locally, Slurm task 0 holds it in a Slurm job. A directory in use
+    by another live run raises RunDirBusy before any rank starts."""
     if cfg.task in ONCE_TASKS:
         return ONCE_TASKS[cfg.task](cfg)
     if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
         from hpctrain.launch.slurm import run_slurm_task
 
-        return run_slurm_task(cfg, RANK_TASKS[cfg.task])
+        with rundir_lock.held(cfg.run_dir, enabled=os.environ.get("SLURM_PROCID") == "0"):
+            return run_slurm_task(cfg, RANK_TASKS[cfg.task])
+    with rundir_lock.held(cfg.run_dir):
+        return _run_local(cfg)
+
+
+def _run_local(cfg: Config) -> dict[str, Any]:
     from hpctrain.launch.local import launch_local
     from hpctrain.train.prepare import prepare
 

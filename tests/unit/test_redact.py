@@ -1,0 +1,48 @@
+"""Secrets (…KEY, …TOKEN, …SECRET, …PASSWORD) never reach configs, logs or W&B in clear."""
+
+from __future__ import annotations
+
+import logging
+
+from hpctrain.metrics.redact import MASK, SecretFilter, redact, redact_yaml_files
+
+
+def test_redact_by_key_and_in_override_strings():
+    cfg = {"cluster": {"env": {"WANDB_API_KEY": "k" * 40, "NCCL_IB_HCA": "mlx5",
+                               "db_password": "pw", "Hf_Token": "t0k3n", "EMPTY_KEY": ""}},
+           "overrides": ["+cluster.env.MY_SECRET=abc", "train.steps=5", "x=y=z"]}
+    out = redact(cfg)
+    env = out["cluster"]["env"]
+    assert env == {"WANDB_API_KEY": MASK, "NCCL_IB_HCA": "mlx5", "db_password": MASK,
+                   "Hf_Token": MASK, "EMPTY_KEY": ""}
+    assert out["overrides"] == ["+cluster.env.MY_SECRET=***", "train.steps=5", "x=y=z"]
+    assert cfg["cluster"]["env"]["WANDB_API_KEY"] == "k" * 40  # the input is not modified
+
+
+def test_log_filter_scrubs_values_anywhere(caplog, monkeypatch):
+    monkeypatch.setenv("SOME_SERVICE_TOKEN", "tok-123456")
+    from hpctrain.metrics.redact import secret_values
+
+    values = secret_values({"MY_KEY": "abcdef", "SHORT_KEY": "1", "PLAIN": "visible"})
+    assert {"tok-123456", "abcdef"} <= values and "1" not in values and "visible" not in values
+    logger = logging.getLogger("test.redact")
+    flt = SecretFilter(values)
+    caplog.handler.addFilter(flt)
+    try:
+        with caplog.at_level(logging.INFO):
+            logger.info("connecting with %s and key=%s, %s", "tok-123456", "abcdef", "visible")
+    finally:
+        caplog.handler.removeFilter(flt)
+    assert "tok-123456" not in caplog.text and "abcdef" not in caplog.text
+    assert f"connecting with {MASK} and key={MASK}, visible" in caplog.text
+
+
+def test_yaml_files_rewritten(tmp_path):
+    (tmp_path / "config.yaml").write_text("cluster:\n  env:\n    HF_TOKEN: abc\n    A: b\n")
+    (tmp_path / "overrides.yaml").write_text("- +cluster.env.HF_TOKEN=abc\n- model=debug\n")
+    redact_yaml_files([tmp_path / "config.yaml", tmp_path / "overrides.yaml",
+                       tmp_path / "missing.yaml"])
+    assert "abc" not in (tmp_path / "config.yaml").read_text()
+    assert "A: b" in (tmp_path / "config.yaml").read_text()
+    assert (tmp_path / "overrides.yaml").read_text().splitlines() == [
+        "- +cluster.env.HF_TOKEN=***", "- model=debug"]
