@@ -15,14 +15,15 @@ log = logging.getLogger("hpctrain")
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
-    try:
+    try:  # every user mistake ends here: one message, exit 2, no rank started
         parsed = config.parse(cfg)
+        tasks.preflight(parsed)
     except ValueError as err:
         log.error("%s", err)
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
-    return tasks.run(parsed)
+    return tasks.launch(parsed)
 
 
 def _in_sweep() -> bool:

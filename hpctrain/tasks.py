@@ -45,8 +45,20 @@ def _needs_data(cfg: Config) -> bool:
     return True
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Run an analytical task here, or prepare shared inputs once and launch the ranks."""
+def preflight(cfg: Config) -> None:
+    """Prepare the inputs every rank reads, once, and check them: ValueError (before any rank
+    starts) when the data is shorter than a batch. Slurm tasks find them prepared by the
+    sweep callback, which runs the same check."""
+    if cfg.task in ONCE_TASKS or cfg.cluster.launcher == "slurm" or not _needs_data(cfg):
+        return
+    from hpctrain.train.prepare import prepare
+    from hpctrain.validate_inputs import check_prepared
+
+    check_prepared(cfg, prepare(cfg.data))
+
+
+def launch(cfg: Config) -> dict[str, Any]:
+    """Run an analytical task here, or launch the ranks (after `preflight`)."""
     if cfg.task in ONCE_TASKS:
         return ONCE_TASKS[cfg.task](cfg)
     if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
@@ -54,8 +66,11 @@ def run(cfg: Config) -> dict[str, Any]:
 
         return run_slurm_task(cfg, RANK_TASKS[cfg.task])
     from hpctrain.launch.local import launch_local
-    from hpctrain.train.prepare import prepare
 
-    if _needs_data(cfg):
-        prepare(cfg.data)  # before any rank starts, so ranks only read the cached tokens
     return launch_local(cfg, RANK_TASKS[cfg.task])
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """`preflight`, then `launch`."""
+    preflight(cfg)
+    return launch(cfg)

@@ -172,11 +172,14 @@ class SweepSummary(Callback):
 
 def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     """Validate every point before any job starts (`sweep_check`), then prepare the data of
-    each distinct data config once, so jobs only read the token cache."""
+    each distinct data config once, so jobs only read the token cache, and check that every
+    point's batches fit its data."""
     from hpctrain.launch.sweep_check import parsed_points
     from hpctrain.train.prepare import prepare
+    from hpctrain.validate import reads_data
+    from hpctrain.validate_inputs import check_prepared
 
-    datas = {p.data for p in parsed_points(config, run_dir=sweep_dir)
-             if p.task not in ("simulate", "plan")}
-    for data in datas:
-        prepare(data)
+    points = [p for p in parsed_points(config, run_dir=sweep_dir) if reads_data(p)]
+    prepared = {data: prepare(data) for data in {p.data for p in points}}
+    for point in points:  # every point's batch must fit its data
+        check_prepared(point, prepared[point.data])
