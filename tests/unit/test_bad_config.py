@@ -228,3 +228,30 @@ def test_every_numeric_key_has_a_range(group):
     numeric = [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name])]
     missing = [f"{group}.{name}" for name in numeric if f"{group}.{name}" not in RANGES]
     assert not missing, f"add these keys to hpctrain.validate_keys.RANGES: {missing}"
+
+
+def test_predicted_split_is_what_prepare_writes(tmp_path):
+    """The parse-time size (byte tokenizer, from file sizes) equals the prepared one."""
+    from hpctrain.config import DataConfig
+    from hpctrain.train.prepare import predicted_split, prepare
+    from hpctrain.validate_inputs import tokens_of
+
+    for i, size in enumerate((0, 1, 700, 3000)):
+        (tmp_path / f"{i}.txt").write_bytes(b"z" * size)
+    for max_bytes in (1, 701, 2500, 10_000):
+        data = DataConfig(source="files", paths=(str(tmp_path / "*.txt"),), max_bytes=max_bytes,
+                          val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+        cfg = make_config(["train=debug"], run_dir=tmp_path)
+        assert predicted_split(data) == tokens_of(cfg, prepare(data)), max_bytes
+
+
+def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):
+    """stdlib text is not predicted: tasks.preflight prepares it, then refuses it."""
+    from hpctrain import tasks
+
+    cfg = make_config(["data.max_bytes=100", f"data.cache_dir={tmp_path}"], run_dir=tmp_path)
+    with pytest.raises(ValueError) as info:
+        tasks.preflight(cfg)
+    message = str(info.value)
+    assert "train split holds" in message and "= 2049" in message
+    assert "data.max_bytes=100" in message and "prepared data:" in message
