@@ -56,3 +56,16 @@ def test_data_too_small_after_prepare(tmp_path):
     out = _refused([*SMALL, "data.max_bytes=100", f"data.cache_dir={tmp_path / 'cache'}"],
                    tmp_path / "run")
     assert "train split holds" in out and "= 257" in out
+
+
+def test_sweep_point_with_too_little_data_stops_the_sweep(tmp_path):
+    """The sweep callback prepares each point's data, then refuses before any job starts."""
+    cmd = [sys.executable, "-m", "hpctrain", "-m", *SMALL, "data.max_bytes=100,200000",
+           f"data.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert "1 of 2 sweep point(s) have less data than a batch" in out
+    assert "point 0 (" in out and "data.max_bytes=100 " in out
+    assert not list((tmp_path / "sweep").glob("*/metrics.jsonl"))
+    assert not (tmp_path / "sweep" / "0").exists()
