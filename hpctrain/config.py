@@ -187,7 +187,8 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
             try:
                 kwargs[name] = _coerce(f"{group}.{name}", value, hints[name])
             except ValueError as err:
-                problems.append(Problem(f"{group}.{name}", f"{err}{_example(group, names[name])}"))
+                problems.append(Problem(f"{group}.{name}",
+                                        f"{err}{_example(group, names[name], hints[name])}"))
     missing = [f for f in names.values() if f.name not in kwargs and _no_default(f)]
     if missing and not values:
         return None, [Problem(group, f"the {group} group is missing: choose one, e.g. "
@@ -209,10 +210,20 @@ def _no_default(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def _example(group: str, f: dataclasses.Field) -> str:
-    if f.default is dataclasses.MISSING or f.default is None:
-        return ""
-    return f": e.g. {group}.{f.name}={f.default} (the default)"
+_KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _example(group: str, f: dataclasses.Field, hint: Any) -> str:
+    """The fix for a mistyped value: the default as an example, or the kind of value to give."""
+    if f.default not in (dataclasses.MISSING, None) and not isinstance(f.default, tuple):
+        return f": e.g. {group}.{f.name}={f.default} (the default)"
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is tuple:
+        item = typing.get_args(base)[0]
+        return f": give a list whose items are each {_KINDS.get(item, _type_name(item))}"
+    return f": give {_KINDS.get(base, _type_name(base))}" + (" or null" if optional else "")
 
 
 def _type_name(hint: Any) -> str:
@@ -230,7 +241,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         base = next(a for a in args if a is not type(None))
     origin = typing.get_origin(base) or base
     if origin is tuple and isinstance(value, list | tuple):
-        return tuple(value)
+        item = typing.get_args(base)[0] if typing.get_args(base) else Any
+        if item is Any:
+            return tuple(value)
+        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if origin is dict and isinstance(value, dict):
         return value
     if origin is float and isinstance(value, int | float) and not isinstance(value, bool):

@@ -34,10 +34,6 @@ ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
 Check = Callable[[Config], list[str]]
 
 
-def _keyed(key: str, check: Check) -> Callable[[Config], list[Problem]]:
-    return lambda c: [Problem(key, text) for text in check(c)]
-
-
 def check_world(c: Config) -> list[str]:
     p, cl = c.parallel, c.cluster
     world, per_replica = cl.world_size, p.tp * p.pp
@@ -58,7 +54,7 @@ def check_world(c: Config) -> list[str]:
 
 def check_local_nodes(c: Config) -> list[str]:
     cl = c.cluster
-    if cl.launcher != "local" or cl.nodes <= 1:  # < 1: the range check reports it
+    if cl.launcher != "local" or cl.nodes == 1:
         return []
     return [f"cluster.launcher=local runs on one node but cluster.nodes={cl.nodes}: set "
             "cluster.nodes=1, or use cluster=slurm for several nodes"]
@@ -293,20 +289,24 @@ def reads_data(c: Config) -> bool:
     return c.task == "train"
 
 
-KEYED = (choice_problems, config_range_problems, _keyed("cluster.nodes", check_local_nodes))
-INPUTS = (_keyed("train.resume", check_resume), _keyed("data.paths", check_data_paths),
-          _keyed("data.cache_dir", check_cache_dir))
-DATA_CHECKS = (check_vocab, check_data_size)
+# Checks → the keys they read ("group." is every key of a group); the first is the key a
+# problem is reported under. A check is skipped when a key it reads was already reported, so
+# none divides by zero, builds a fix from a bad value or repeats a problem. INPUTS (one key
+# each: the launcher, paths) run before DERIVED (cross-field) and can mute them.
+INPUTS: dict[Check, tuple[str, ...]] = {
+    check_local_nodes: ("cluster.nodes", "cluster.launcher"),
+    check_resume: ("train.resume",),
+    check_data_paths: ("data.paths", "data.source"),
+    check_cache_dir: ("data.cache_dir", "data."),
+}
 _BATCH = ("train.global_batch_size", "train.micro_batch_size", "parallel.")
 _SHAPE = ("model.", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.sp",
           "parallel.schedule", "train.seq_len")
-# Cross-field checks → the keys they read ("group." is every key of a group). A check is
-# skipped when one of them was already reported.
 DERIVED: dict[Check, tuple[str, ...]] = {
     check_world: ("parallel.dp", "parallel.tp", "parallel.pp", "cluster.nodes",
                   "cluster.procs_per_node"),
-    check_signal_delay: ("cluster.",),
-    check_optim: ("optim.lr", "optim.min_lr", "optim.lr_schedule"),
+    check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
+    check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
@@ -318,12 +318,14 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_cluster_spec: ("cluster.",),
     check_bench: ("bench", "cluster.", "parallel."),
     check_simulate: _BATCH,
-    check_plan: ("cluster.", "plan", *_BATCH, *_SHAPE, "train."),
+    check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
 }
-CHECKS: tuple[Check, ...] = (check_world, check_signal_delay, check_optim, check_head_dim,
-                             check_model_shape, check_batch, check_vocab, check_data_size,
-                             check_device, check_not_built, check_pipeline, check_cluster_spec,
-                             check_bench)
+# What reads the token cache and checkpoints runs only where the task does (reads_data).
+DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
+CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
+                             check_head_dim, check_model_shape, check_batch, check_vocab,
+                             check_data_size, check_device, check_not_built, check_pipeline,
+                             check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,
     "bench": CHECKS,
@@ -334,18 +336,19 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
 }
 
 
-def problems_of(c: Config, *, found: Sequence[Problem] = ()) -> list[Problem | str]:
-    """Every problem of `c`: `found` (from building it) and the key-level ones first, then the
-    cross-field checks whose keys are all sound."""
+def problems_of(c: Config, *, found: Sequence[Problem] = ()) -> list[Problem]:
+    """Every problem of `c`: `found` (from building it), choices and ranges, then INPUTS,
+    then DERIVED, each check skipped if a key it reads was already reported."""
+    problems = [*found, *choice_problems(c), *config_range_problems(c)]
+    if "task" in {p.key for p in problems}:
+        return problems
     data = reads_data(c)
-    keyed = [*found, *(p for check in (*KEYED, *(INPUTS if data else ())) for p in check(c))]
-    failed = {p.key for p in keyed}
-    if "task" in failed:
-        return keyed
-    derived = [e for check in TASK_CHECKS[c.task]
-               if (data or check not in DATA_CHECKS) and not _reads_any(DERIVED[check], failed)
-               for e in check(c)]
-    return [*keyed, *derived]
+    wanted = [k for k in TASK_CHECKS[c.task] if data or k not in DATA_CHECKS]
+    for stage in (INPUTS, DERIVED):
+        failed = {p.key for p in problems}
+        problems += [Problem(reads[0], text) for check, reads in stage.items()
+                     if check in wanted and not _reads_any(reads, failed) for text in check(c)]
+    return problems
 
 
 def _reads_any(reads: tuple[str, ...], failed: set[str]) -> bool:

@@ -150,6 +150,7 @@ BAD = [
                         "even quotient"]),
     (["model.n_heads=3"], ["model.dim=128 is not divisible by model.n_heads=3"]),
     (["model.attention=magic"], ["model.attention='magic'", "'sdpa'"]),
+    (["model.dim=abc"], ["model.dim='abc' should be int", "give a whole number"]),
     (["~model.dim"], ["model.dim is missing", "set model.dim=<int>"]),
     # logger
     (["logger.wandb=yes"], ["logger.wandb='yes'", "'offline'"]),
@@ -165,6 +166,9 @@ BAD = [
     (["task=simulate", "simulate.t_f=-1"], ["simulate.t_f=-1", ">= 0"]),
     (["task=bench", "bench.iters=0"], ["bench.iters=0 must be > 0", "1 or more"]),
     (["task=bench", "bench.warmup=-1"], ["bench.warmup=-1", "0 (no warmup)"]),
+    (["task=bench", "bench.slow_ranks=[abc]"], ["bench.slow_ranks[0]='abc' should be int",
+                                                "each a whole number"]),
+    ([FILES, "data.paths=[1]"], ["data.paths[0]=1 should be str", "each a string"]),
 ]
 
 
