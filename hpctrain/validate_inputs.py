@@ -34,6 +34,10 @@ def check_resume(c: Config) -> list[str]:
     if close and not path.exists():
         return [f"train.resume={mode!r} is not auto, never or an existing checkpoint "
                 f"directory: did you mean train.resume={close[0]}?"]
+    saved = sorted(p.parent for p in path.glob("checkpoints/step_*/train_state.json"))
+    if saved:
+        return [f"train.resume={mode!r} is a run directory, not a checkpoint: pass "
+                f"train.resume={saved[-1]} (its newest)"]
     why = ("no such directory" if not path.exists() else
            "a file, not a directory" if not path.is_dir() else
            "no train_state.json in it, so not a saved checkpoint")

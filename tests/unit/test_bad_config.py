@@ -2,7 +2,8 @@
 
 Each row of BAD is a mistake a user makes (or a relative of one): the overrides, then words
 the single message must contain — the key (with its value) and the fix. `{d}` is a folder
-holding a tiny file, an empty file, a folder, a short file and an empty "checkpoint".
+holding a tiny file, an empty file, a folder, a short file, an empty "checkpoint" and a run
+directory with two checkpoints.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ BAD = [
                                           "checkpoints/step_"]),
     (["train.resume={d}/tiny.txt"], ["a file, not a directory", "train.resume=never"]),
     (["train.resume={d}/ckempty"], ["no train_state.json", "train.resume=auto"]),
+    (["train.resume={d}/run"], ["is a run directory, not a checkpoint",
+                                "train.resume={d}/run/checkpoints/step_00000020 (its newest)"]),
     (["train.precision=fp64"], ["train.precision='fp64'", "'bf16'"]),
     (["train.activation_checkpointing=all"], ["train.activation_checkpointing='all'", "'full'"]),
     (["train.global_batch_size=6"], ["train.global_batch_size=6 is not divisible",
@@ -181,6 +184,10 @@ def inputs(tmp_path_factory):
     (d / "adir").mkdir()
     (d / "adir" / "a.txt").write_text("hi")
     (d / "ckempty").mkdir()
+    for step in (10, 20):  # a run directory with two saved checkpoints
+        ckpt = d / "run" / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "train_state.json").write_text("{}")
     return d
 
 
