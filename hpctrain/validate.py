@@ -106,9 +106,11 @@ def check_model_shape(c: Config) -> list[str]:
     if m.vocab_size % tp:
         errs.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}: "
                     "pad the vocabulary to a multiple of tp")
-    stages = c.parallel.pp * c.parallel.virtual_stages
-    if c.parallel.schedule == "zbv":  # always 2 chunks per rank
-        stages = 2 * c.parallel.pp
+    stages = c.parallel.pp  # virtual stages exist in interleaved_1f1b and zbv (2) only
+    if c.parallel.schedule == "interleaved_1f1b":
+        stages *= c.parallel.virtual_stages
+    if c.parallel.schedule == "zbv":
+        stages *= 2
     if m.n_layers % stages:
         errs.append(f"model.n_layers={m.n_layers} is not divisible by the {stages} pipeline "
                     f"stages of parallel.pp={c.parallel.pp}, parallel.schedule="
@@ -184,24 +186,38 @@ def check_bench(c: Config) -> list[str]:
     return check(c)
 
 
+def _batch_refused(c: Config) -> bool:
+    """check_batch refuses this batch (its fix names the batch keys): no schedule to build."""
+    p, per_step = c.parallel, c.train.micro_batch_size * c.parallel.dp
+    return (c.train.global_batch_size % per_step != 0 or c.grad_accum < 1
+            or (p.schedule in ONE_F_ONE_B_FAMILY and c.grad_accum < p.pp))
+
+
+def _schedule(c: Config):
+    """pp > 1: the built schedule; ValueError from build_schedule on a bad combination."""
+    from hpctrain.parallel.pipeline.schedules import build_schedule
+
+    p = c.parallel
+    return build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
+                          virtual_stages=p.virtual_stages)
+
+
+def check_schedule(c: Config) -> list[str]:
+    """pp > 1: the schedule must build for (pp, microbatches, virtual_stages)."""
+    if c.parallel.pp == 1 or _batch_refused(c):
+        return []
+    return _errors_of(c, _schedule)
+
+
 def check_pipeline(c: Config) -> list[str]:
-    """pp > 1: the schedule must build for (pp, microbatches, virtual_stages), and the features
-    the pipeline runtime does not combine with yet are refused."""
+    """The features the pipeline runtime does not combine with yet are refused."""
     p = c.parallel
     if p.pp == 1:
         if p.virtual_stages != 1 or p.timeline:
             return ["parallel.virtual_stages and parallel.timeline need parallel.pp > 1: "
                     "set parallel.pp or leave them at their defaults (1, false)"]
         return []
-    from hpctrain.parallel.pipeline.schedules import build_schedule
-
-    errs = []
-    try:
-        schedule = build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
-                                  virtual_stages=p.virtual_stages)
-        errs += _nccl_p2p_problems(c, schedule)
-    except ValueError as err:
-        errs.append(str(err))
+    errs = [] if _batch_refused(c) or check_schedule(c) else _nccl_p2p_problems(c, _schedule(c))
     if c.model.tied_embeddings:
         errs.append("model.tied_embeddings=true cannot be split across pipeline stages: set "
                     "model.tied_embeddings=false or parallel.pp=1")
@@ -314,6 +330,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_data_size: ("data.", "train.", "parallel.dp"),
     check_device: ("cluster.", "train."),
     check_not_built: ("parallel.", "bench"),
+    check_schedule: _BATCH,
     check_pipeline: (*_BATCH, *_SHAPE, "train.activation_checkpointing", "cluster."),
     check_cluster_spec: ("cluster.",),
     check_bench: ("bench", "cluster.", "parallel."),
@@ -324,15 +341,16 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_vocab,
-                             check_data_size, check_device, check_not_built, check_pipeline,
-                             check_cluster_spec, check_bench)
+                             check_data_size, check_device, check_not_built, check_schedule,
+                             check_pipeline, check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,
     "bench": CHECKS,
     # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
     "simulate": (check_simulate,),
     # The planner predicts any layout, including ones this version cannot run yet.
-    "plan": (check_world, check_head_dim, check_model_shape, check_batch, check_plan),
+    "plan": (check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
+             check_plan),
 }
 
 

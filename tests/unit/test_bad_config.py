@@ -60,6 +60,10 @@ BAD = [
     (["parallel.offload=gpu"], ["parallel.offload='gpu'", "'cpu'"]),
     (["parallel.grad_comm_dtype=int8"], ["parallel.grad_comm_dtype='int8'", "'bf16'"]),
     (["parallel.dp=2"], ["= 2 ranks", "set parallel.dp=1", "cluster.procs_per_node=2"]),
+    (["parallel.pp=2", "cluster.procs_per_node=2", "parallel.schedule=interleaved_1f1b"],
+     ["interleaved_1f1b needs virtual_stages >= 2", "parallel.virtual_stages=2"]),
+    ([*PLAN, "parallel.pp=2", "parallel.schedule=interleaved_1f1b"],
+     ["interleaved_1f1b needs virtual_stages >= 2", "parallel.virtual_stages=2"]),
     (["parallel.tp=3", "cluster.procs_per_node=3"],
      ["model.n_heads=4 is not divisible by parallel.tp=3", "divisors of the head count"]),
     # train
@@ -225,6 +229,22 @@ def test_every_mistake_of_a_config_is_listed_once(inputs, tmp_path):
     for key in ("parallel.dp=0", "model.n_heads=0", "optim.beta1=1.5", "group trian",
                 "train.resume='nevr'", "train.steps='abc'", "optim.min_lr=1 exceeds"):
         assert key in message
+
+
+PP2 = ["parallel.pp=2", "cluster.procs_per_node=2"]
+ONE_PROBLEM = [  # each once: what used to be listed twice, or beside a misleading consequence
+    ([*PP2, "train.global_batch_size=4"], "raise train.global_batch_size"),
+    ([*PP2, "parallel.schedule=fancy"], "parallel.schedule='fancy'"),
+    ([*PP2, "parallel.virtual_stages=3"], "1f1b runs one stage per rank"),
+    (["cluster.nodes=2"], "set cluster.nodes=1"),
+    ([FILES, "data.paths=[1]"], "data.paths[0]=1"),
+]
+
+
+@pytest.mark.parametrize("overrides,text", ONE_PROBLEM, ids=[" ".join(o) for o, _ in ONE_PROBLEM])
+def test_one_problem_is_listed_once(overrides, text, inputs, tmp_path):
+    message = _refusal(overrides, inputs, tmp_path)
+    assert "(1 problem(s))" in message and text in message, message
 
 
 def _numeric(hint) -> bool:
