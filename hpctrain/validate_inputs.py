@@ -20,6 +20,7 @@ from hpctrain.train import prepare as prep
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
+META_KEYS = {"dtype", "train_tokens", "val_tokens", "vocab_size"}
 
 
 def check_resume(c: Config) -> list[str]:
@@ -81,10 +82,14 @@ def _token_dir_problems(paths: tuple[str, ...]) -> list[str]:
                 f"{len(paths)}: give one (data.paths=[<dir with {', '.join(TOKEN_FILES)}>])"]
     root = Path(paths[0]).expanduser()
     missing = [name for name in TOKEN_FILES if not (root / name).is_file()]
-    if missing:
-        return [f"data.paths={paths[0]} (data.source=tokens) lacks {', '.join(missing)}: "
-                "give a directory written by hpctrain's prepare (data.source=files writes one "
-                "under data.cache_dir)"]
+    try:
+        meta = {} if missing else json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if missing or not isinstance(meta, dict) or not META_KEYS <= meta.keys():
+        what = f"lacks {', '.join(missing)}" if missing else "has an unreadable meta.json"
+        return [f"data.paths={paths[0]} (data.source=tokens) {what}: give a directory written "
+                "by hpctrain's prepare (data.source=files writes one under data.cache_dir)"]
     return []
 
 

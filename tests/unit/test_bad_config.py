@@ -2,8 +2,8 @@
 
 Each row of BAD is a mistake a user makes (or a relative of one): the overrides, then words
 the single message must contain — the key (with its value) and the fix. `{d}` is a folder
-holding a tiny file, an empty file, a folder, a short file, an empty "checkpoint" and a run
-directory with two checkpoints.
+holding a tiny file, an empty file, a folder, a short file, an empty "checkpoint", a run
+directory with two checkpoints and two prepared token directories (short; broken meta.json).
 """
 
 from __future__ import annotations
@@ -139,6 +139,13 @@ BAD = [
                                                   "check the path"]),
     (["data.source=tokens", "data.paths=[{d}/adir]"], ["lacks meta.json, train.bin, val.bin",
                                                        "prepare"]),
+    (["data.source=tokens", "data.paths=[{d}/badtok]"], ["has an unreadable meta.json",
+                                                         "data.source=files"]),
+    (["data.source=tokens", "data.paths=[{d}/tok]", "model.vocab_size=256"],
+     ["model.vocab_size=256 is smaller than the 300 token ids of prepared data",
+      "set model.vocab_size=512"]),
+    (["data.source=tokens", "data.paths=[{d}/tok]"], ["train split holds 100 tokens", "= 2049",
+                                                      "val split holds 10 tokens"]),
     (["data.cache_dir={d}/tiny.txt/cache"], ["data.cache_dir={d}/tiny.txt/cache",
                                              "is a file", "writable directory"]),
     # model
@@ -188,6 +195,11 @@ def inputs(tmp_path_factory):
     (d / "adir").mkdir()
     (d / "adir" / "a.txt").write_text("hi")
     (d / "ckempty").mkdir()
+    for name, meta in (("tok", '{"dtype": "uint16", "train_tokens": 100, "val_tokens": 10, '
+                               '"vocab_size": 300, "eod": 256}'), ("badtok", "{not json")):
+        (d / name).mkdir()  # prepared token directories: a short one, a broken one
+        for file, text in (("meta.json", meta), ("train.bin", ""), ("val.bin", "")):
+            (d / name / file).write_text(text)
     for step in (10, 20):  # a run directory with two saved checkpoints
         ckpt = d / "run" / "checkpoints" / f"step_{step:08d}"
         ckpt.mkdir(parents=True)
