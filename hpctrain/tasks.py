@@ -37,19 +37,13 @@ def plan_task(cfg: Config) -> dict[str, Any]:
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}
 
 
-def _needs_data(cfg: Config) -> bool:
-    if cfg.task == "bench":
-        from hpctrain.bench.task import needs_data
-
-        return needs_data(cfg)
-    return True
-
-
 def preflight(cfg: Config) -> None:
     """Prepare the inputs every rank reads, once, and check them: ValueError (before any rank
     starts) when the data is shorter than a batch. Slurm tasks find them prepared by the
     sweep callback, which runs the same check."""
-    if cfg.task in ONCE_TASKS or cfg.cluster.launcher == "slurm" or not _needs_data(cfg):
+    from hpctrain.validate import reads_data
+
+    if cfg.cluster.launcher == "slurm" or not reads_data(cfg):
         return
     from hpctrain.train.prepare import prepare
     from hpctrain.validate_inputs import check_prepared
