@@ -20,15 +20,16 @@ log = logging.getLogger("hpctrain")
 def main(cfg: DictConfig) -> dict | None:
     install_log_filter(cfg.get("cluster", {}).get("env") or {})
     _redact_hydra_outputs()
-    try:
+    try:  # every user mistake ends here: one message, exit 2, no rank started
         parsed = config.parse(cfg)
+        tasks.preflight(parsed)
     except ValueError as err:
         log.error("%s", err)
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
     try:
-        return tasks.run(parsed)
+        return tasks.launch(parsed)
     except RunDirBusy as err:
         log.error("%s", err)
         sys.exit(2)

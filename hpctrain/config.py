@@ -149,19 +149,86 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One mistake in a configuration: the key it is about and the message with the fix."""
+
+    key: str
+    text: str
+
+
+def format_problems(problems: list[Problem] | list[str]) -> str:
+    """One message listing every problem once, in order."""
+    texts = list(dict.fromkeys(p.text if isinstance(p, Problem) else p for p in problems))
+    bullet = "\n  - "
+    return f"invalid configuration ({len(texts)} problem(s)):{bullet}" + bullet.join(texts)
+
+
 def build(cls, group: str, values: dict[str, Any]):
-    """Instantiate dataclass `cls` from `values`, rejecting unknown keys with a suggestion."""
-    names = [f.name for f in fields(cls)]
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" Did you mean {group}.{close[0]}?" if close else ""
-            raise ValueError(
-                f"unknown key {group}.{key}; valid keys: {', '.join(names)}.{hint}"
-            )
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _coerce(f"{group}.{k}", v, hints[k]) for k, v in values.items()}
-    return cls(**kwargs)
+    """Instantiate dataclass `cls` from `values`; one ValueError naming every unknown (with a
+    suggestion), missing or mistyped key of the group."""
+    obj, problems = build_checked(cls, group, values)
+    if problems:
+        raise ValueError("; ".join(p.text for p in problems))
+    return obj
+
+
+def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
+    """`cls` from `values` and the problems found. A mistyped key takes its default (and is
+    reported), so later checks still see a whole config; None when a required key is bad."""
+    if not isinstance(values, dict):
+        return None, [Problem(group, f"{group}={values!r} must be a group of keys "
+                                     f"({group}.<key>=<value>)")]
+    names = {f.name: f for f in fields(cls)}
+    problems = [_unknown(group, key, list(names)) for key in values if key not in names]
+    hints, kwargs = typing.get_type_hints(cls), {}
+    for name, value in values.items():
+        if name in names:
+            try:
+                kwargs[name] = _coerce(f"{group}.{name}", value, hints[name])
+            except ValueError as err:
+                problems.append(Problem(f"{group}.{name}",
+                                        f"{err}{_example(group, names[name], hints[name])}"))
+    missing = [f for f in names.values() if f.name not in kwargs and _no_default(f)]
+    if missing and not values:
+        return None, [Problem(group, f"the {group} group is missing: choose one, e.g. "
+                                     f"{group}=<preset> (python -m hpctrain --help)")]
+    problems += [Problem(f"{group}.{f.name}", f"{group}.{f.name} is missing: set "
+                         f"{group}.{f.name}=<{_type_name(hints[f.name])}>")
+                 for f in missing if f.name not in values]
+    return (None if missing else cls(**kwargs)), problems
+
+
+def _unknown(group: str, key: str, names: list[str]) -> Problem:
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" Did you mean {group}.{close[0]}?" if close else ""
+    return Problem(f"{group}.{key}",
+                   f"unknown key {group}.{key}; valid keys: {', '.join(names)}.{hint}")
+
+
+def _no_default(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+_KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _example(group: str, f: dataclasses.Field, hint: Any) -> str:
+    """The fix for a mistyped value: the default as an example, or the kind of value to give."""
+    if f.default not in (dataclasses.MISSING, None) and not isinstance(f.default, tuple):
+        return f": e.g. {group}.{f.name}={f.default} (the default)"
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is tuple:
+        item = typing.get_args(base)[0]
+        return f": give a list whose items are each {_KINDS.get(item, _type_name(item))}"
+    return f": give {_KINDS.get(base, _type_name(base))}" + (" or null" if optional else "")
+
+
+def _type_name(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return getattr(args[0], "__name__", str(args[0]))
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -174,7 +241,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         base = next(a for a in args if a is not type(None))
     origin = typing.get_origin(base) or base
     if origin is tuple and isinstance(value, list | tuple):
-        return tuple(value)
+        item = typing.get_args(base)[0] if typing.get_args(base) else Any
+        if item is Any:
+            return tuple(value)
+        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if origin is dict and isinstance(value, dict):
         return value
     if origin is float and isinstance(value, int | float) and not isinstance(value, bool):
@@ -197,18 +267,50 @@ _GROUPS = {
 }
 
 
-def from_dict(raw: dict[str, Any], *, run_dir: str) -> Config:
-    """Build a Config from a plain (resolved) dict; unknown top-level groups go to `extra`."""
+# Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
+TASK_GROUPS = ("bench", "simulate", "plan")
+
+
+def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:
+    """Build a Config from a plain (resolved) dict and list the key-level problems: unknown
+    top-level groups and unknown, missing or mistyped keys. None when no Config can be built."""
     raw = dict(raw)
-    task = raw.pop("task", {"name": "train"})
-    task_name = task["name"] if isinstance(task, dict) else str(task)
-    groups = {name: build(cls, name, raw.pop(name, {}) or {}) for name, cls in _GROUPS.items()}
     raw.pop("hydra", None)
-    return Config(task=task_name, run_dir=run_dir, extra=raw, **groups)
+    task = raw.pop("task", {"name": "train"})
+    task_name = task.get("name", "train") if isinstance(task, dict) else str(task)
+    built = {name: build_checked(cls, name, raw.pop(name, {}) or {})
+             for name, cls in _GROUPS.items()}
+    problems = [p for _, found in built.values() for p in found] + _unknown_groups(raw)
+    groups = {name: obj for name, (obj, _) in built.items()}
+    if any(obj is None for obj in groups.values()):
+        return None, problems
+    return Config(task=task_name, run_dir=run_dir, extra=raw, **groups), problems
+
+
+def _unknown_groups(raw: dict[str, Any]) -> list[Problem]:
+    known = [*_GROUPS, "task", *TASK_GROUPS]
+    problems = []
+    for name in (n for n in raw if n not in TASK_GROUPS):
+        value = raw[name]
+        sub = f".{next(iter(value))}" if isinstance(value, dict) and value else ""
+        close = difflib.get_close_matches(name, known, n=1)
+        fix = f"did you mean {close[0]}{sub}?" if close else f"remove +{name}{sub}"
+        problems.append(Problem(name, f"unknown top-level group {name}: nothing reads "
+                                      f"{name}{sub}; {fix} (groups: {', '.join(known)})"))
+    return problems
+
+
+def from_dict(raw: dict[str, Any], *, run_dir: str) -> Config:
+    """`collect`, raising one ValueError if any key is unknown, missing or mistyped."""
+    config, problems = collect(raw, run_dir=run_dir)
+    if problems:
+        raise ValueError(format_problems(problems))
+    return config
 
 
 def parse(cfg, *, run_dir: str | None = None) -> Config:
-    """Hydra DictConfig → validated, frozen Config. Raises ValueError listing every mistake."""
+    """Hydra DictConfig → validated, frozen Config. Raises one ValueError listing every
+    mistake (hpctrain.validate), each with its fix."""
     from omegaconf import OmegaConf
 
     from hpctrain.validate import validate
@@ -217,11 +319,13 @@ def parse(cfg, *, run_dir: str | None = None) -> Config:
     if run_dir is None:
         run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
     raw = OmegaConf.to_container(cfg, resolve=True)
-    config = from_dict(raw, run_dir=run_dir)
+    config, problems = collect(raw, run_dir=run_dir)
+    if config is None:
+        raise ValueError(format_problems(problems))
     if group is not None and config.logger.group is None:
         config = dataclasses.replace(
             config, logger=dataclasses.replace(config.logger, group=group))
-    validate(config)
+    validate(config, found=problems)
     return config
 
 

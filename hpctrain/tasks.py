@@ -41,16 +41,22 @@ def plan_task(cfg: Config) -> dict[str, Any]:
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}
 
 
-def _needs_data(cfg: Config) -> bool:
-    if cfg.task == "bench":
-        from hpctrain.bench.task import needs_data
+def preflight(cfg: Config) -> None:
+    """Prepare the inputs every rank reads, once, and check them: ValueError (before any rank
+    starts) when the data is shorter than a batch. Slurm tasks find them prepared by the
+    sweep callback, which runs the same check."""
+    from hpctrain.validate import reads_data
 
-        return needs_data(cfg)
-    return True
+    if cfg.cluster.launcher == "slurm" or not reads_data(cfg):
+        return
+    from hpctrain.train.prepare import prepare
+    from hpctrain.validate_inputs import check_prepared
+
+    check_prepared(cfg, prepare(cfg.data))
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Run an analytical task here, or prepare shared inputs once and launch the ranks.
+def launch(cfg: Config) -> dict[str, Any]:
+    """Run an analytical task here, or launch the ranks (after `preflight`).
 
     Rank tasks own their run directory while they run (hpctrain.launch.rundir_lock): the
     launcher holds the lock locally, Slurm task 0 holds it in a Slurm job. A directory in use
@@ -68,8 +74,11 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def _run_local(cfg: Config) -> dict[str, Any]:
     from hpctrain.launch.local import launch_local
-    from hpctrain.train.prepare import prepare
 
-    if _needs_data(cfg):
-        prepare(cfg.data)  # before any rank starts, so ranks only read the cached tokens
     return launch_local(cfg, RANK_TASKS[cfg.task])
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """`preflight`, then `launch`."""
+    preflight(cfg)
+    return launch(cfg)

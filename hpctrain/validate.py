@@ -1,82 +1,90 @@
-"""Cross-field validation of a Config: every user mistake becomes one ValueError before launch.
+"""Validation of a Config: every user mistake becomes one ValueError before launch.
 
-Each check returns a list of messages; `validate` runs them all and raises a single error that
-lists every problem with the keys, the values and the fix.
+Two stages. Key-level checks (types in `config.collect`, choices and ranges in
+`validate_keys`, paths in `validate_inputs`) each report the key they are about. Cross-field
+checks then run unless a key they read was already reported (`DERIVED`: check → keys it reads),
+so none divides by zero, suggests a fix built from a bad value, or repeats a problem.
+`validate` raises one ValueError listing every problem once, each with its fix.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from hpctrain.config import Config
+from hpctrain.config import Config, Problem, format_problems
+from hpctrain.validate_inputs import (
+    check_cache_dir,
+    check_data_paths,
+    check_data_size,
+    check_resume,
+    check_vocab,
+)
+from hpctrain.validate_keys import (
+    PLAN_RANGES,
+    choice_problems,
+    config_range_problems,
+    range_problems,
+)
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "selective", "full")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
-TASKS = ("train", "simulate", "bench", "plan")
 Check = Callable[[Config], list[str]]
 
 
-def _choice(key: str, value, allowed) -> list[str]:
-    if value in allowed:
-        return []
-    return [f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}"]
-
-
-def check_choices(c: Config) -> list[str]:
-    from hpctrain.ops.attention import ATTENTION_BACKENDS
-    from hpctrain.parallel.pipeline.schedules import SCHEDULES
-
-    return [
-        *_choice("task", c.task, TASKS),
-        *_choice("model.attention", c.model.attention, tuple(ATTENTION_BACKENDS)),
-        *_choice("parallel.schedule", c.parallel.schedule, tuple(SCHEDULES)),
-        *_choice("train.precision", c.train.precision, PRECISIONS),
-        *_choice("train.activation_checkpointing", c.train.activation_checkpointing, CHECKPOINTING),
-        *_choice("cluster.launcher", c.cluster.launcher, ("local", "slurm")),
-        *_choice("cluster.device", c.cluster.device, ("auto", "cpu", "cuda")),
-        *_choice("cluster.backend", c.cluster.backend, ("auto", "gloo", "nccl")),
-        *_choice("data.source", c.data.source, ("stdlib", "files", "tokens")),
-        *_choice("data.tokenizer", c.data.tokenizer, ("byte", "bpe")),
-        *_choice("logger.wandb", c.logger.wandb, ("auto", "online", "offline", "disabled")),
-        *_choice("logger.progress", c.logger.progress, ("auto", "rich", "plain")),
-        *_choice("optim.lr_schedule", c.optim.lr_schedule, ("cosine", "constant")),
-        *_choice("parallel.offload", c.parallel.offload, ("none", "cpu")),
-        *_choice("parallel.zero", c.parallel.zero, (0, 1, 2, 3)),
-        *_choice("parallel.grad_comm_dtype", c.parallel.grad_comm_dtype, PRECISIONS),
-    ]
-
-
-def check_positive(c: Config) -> list[str]:
-    keys = {
-        "train.steps": c.train.steps, "train.global_batch_size": c.train.global_batch_size,
-        "train.micro_batch_size": c.train.micro_batch_size, "train.seq_len": c.train.seq_len,
-        "train.log_every": c.train.log_every, "cluster.nodes": c.cluster.nodes,
-        "cluster.procs_per_node": c.cluster.procs_per_node, "parallel.dp": c.parallel.dp,
-        "parallel.tp": c.parallel.tp, "parallel.pp": c.parallel.pp,
-        "parallel.virtual_stages": c.parallel.virtual_stages, "optim.lr": c.optim.lr,
-        "cluster.timeout_s": c.cluster.timeout_s, "model.n_layers": c.model.n_layers,
-    }
-    return [f"{k}={v} must be > 0" for k, v in keys.items() if not v > 0]
-
-
 def check_world(c: Config) -> list[str]:
-    p, world = c.parallel, c.cluster.world_size
+    p, cl = c.parallel, c.cluster
+    world, per_replica = cl.world_size, p.tp * p.pp
     if p.world_size == world:
         return []
-    fix = "set parallel.dp so that dp × tp × pp equals the job's ranks"
-    if world % (p.tp * p.pp) == 0:
-        fix = f"set parallel.dp={world // (p.tp * p.pp)}"
+    fixes = []
+    if world >= per_replica and world % per_replica == 0:
+        fixes.append(f"set parallel.dp={world // per_replica}")
+    if p.world_size % cl.nodes == 0:
+        fixes.append(f"set cluster.procs_per_node={p.world_size // cl.nodes}")
+    fix = ", or ".join(fixes) or "make dp × tp × pp equal cluster.nodes × procs_per_node"
     return [
         f"parallel.pp={p.pp} × parallel.tp={p.tp} × parallel.dp={p.dp} = {p.world_size} ranks, "
-        f"but cluster.nodes={c.cluster.nodes} × cluster.procs_per_node="
-        f"{c.cluster.procs_per_node} = {world}: {fix}"
+        f"but cluster.nodes={cl.nodes} × cluster.procs_per_node={cl.procs_per_node} = {world}:"
+        f" {fix}"
     ]
+
+
+def check_local_nodes(c: Config) -> list[str]:
+    cl = c.cluster
+    if cl.launcher != "local" or cl.nodes == 1:
+        return []
+    return [f"cluster.launcher=local runs on one node but cluster.nodes={cl.nodes}: set "
+            "cluster.nodes=1, or use cluster=slurm for several nodes"]
+
+
+def check_signal_delay(c: Config) -> list[str]:
+    """Slurm sends its warning signal (save, then requeue) signal_delay_s before the limit."""
+    cl = c.cluster
+    if cl.launcher != "slurm" or cl.signal_delay_s < cl.time_min * 60:
+        return []
+    return [f"cluster.signal_delay_s={cl.signal_delay_s} is not below cluster.time_min="
+            f"{cl.time_min} minutes = {cl.time_min * 60} s: lower cluster.signal_delay_s or "
+            f"raise cluster.time_min to {cl.signal_delay_s // 60 + 1} or more"]
+
+
+def check_optim(c: Config) -> list[str]:
+    o = c.optim
+    if o.lr_schedule != "cosine" or o.min_lr <= o.lr:
+        return []
+    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the cosine schedule decays "
+            f"from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its peak; set "
+            f"optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+
+
+def check_head_dim(c: Config) -> list[str]:
+    m = c.model
+    if m.dim % m.n_heads or m.head_dim % 2 == 0:
+        return []
+    return [f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.head_dim} is an odd head "
+            "dimension; RoPE rotates pairs: choose dim and n_heads with an even quotient"]
 
 
 def check_model_shape(c: Config) -> list[str]:
@@ -98,9 +106,11 @@ def check_model_shape(c: Config) -> list[str]:
     if m.vocab_size % tp:
         errs.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}: "
                     "pad the vocabulary to a multiple of tp")
-    stages = c.parallel.pp * c.parallel.virtual_stages
-    if c.parallel.schedule == "zbv":  # always 2 chunks per rank
-        stages = 2 * c.parallel.pp
+    stages = c.parallel.pp  # virtual stages exist in interleaved_1f1b and zbv (2) only
+    if c.parallel.schedule == "interleaved_1f1b":
+        stages *= c.parallel.virtual_stages
+    if c.parallel.schedule == "zbv":
+        stages *= 2
     if m.n_layers % stages:
         errs.append(f"model.n_layers={m.n_layers} is not divisible by the {stages} pipeline "
                     f"stages of parallel.pp={c.parallel.pp}, parallel.schedule="
@@ -131,21 +141,6 @@ def check_batch(c: Config) -> list[str]:
     if p.pp > 1 and p.schedule in ONE_F_ONE_B_FAMILY and m < p.pp:
         return [f"parallel.schedule={p.schedule} needs microbatches ({m}) ≥ parallel.pp="
                 f"{p.pp}: raise train.global_batch_size or lower train.micro_batch_size"]
-    return []
-
-
-def check_data(c: Config) -> list[str]:
-    d = c.data
-    if d.source == "stdlib":
-        return []
-    if not d.paths:
-        return [f"data.source={d.source} needs data.paths (files or globs)"]
-    missing = [p for p in d.paths if not glob.glob(os.path.expanduser(p))]
-    if missing:
-        return [f"data.paths: no file matches {', '.join(missing)}"]
-    if d.tokenizer == "bpe" and d.bpe_vocab_size > c.model.vocab_size:
-        return [f"data.bpe_vocab_size={d.bpe_vocab_size} exceeds model.vocab_size="
-                f"{c.model.vocab_size}"]
     return []
 
 
@@ -191,24 +186,38 @@ def check_bench(c: Config) -> list[str]:
     return check(c)
 
 
+def _batch_refused(c: Config) -> bool:
+    """check_batch refuses this batch (its fix names the batch keys): no schedule to build."""
+    p, per_step = c.parallel, c.train.micro_batch_size * c.parallel.dp
+    return (c.train.global_batch_size % per_step != 0 or c.grad_accum < 1
+            or (p.schedule in ONE_F_ONE_B_FAMILY and c.grad_accum < p.pp))
+
+
+def _schedule(c: Config):
+    """pp > 1: the built schedule; ValueError from build_schedule on a bad combination."""
+    from hpctrain.parallel.pipeline.schedules import build_schedule
+
+    p = c.parallel
+    return build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
+                          virtual_stages=p.virtual_stages)
+
+
+def check_schedule(c: Config) -> list[str]:
+    """pp > 1: the schedule must build for (pp, microbatches, virtual_stages)."""
+    if c.parallel.pp == 1 or _batch_refused(c):
+        return []
+    return _errors_of(c, _schedule)
+
+
 def check_pipeline(c: Config) -> list[str]:
-    """pp > 1: the schedule must build for (pp, microbatches, virtual_stages), and the features
-    the pipeline runtime does not combine with yet are refused."""
+    """The features the pipeline runtime does not combine with yet are refused."""
     p = c.parallel
     if p.pp == 1:
         if p.virtual_stages != 1 or p.timeline:
             return ["parallel.virtual_stages and parallel.timeline need parallel.pp > 1: "
                     "set parallel.pp or leave them at their defaults (1, false)"]
         return []
-    from hpctrain.parallel.pipeline.schedules import build_schedule
-
-    errs = []
-    try:
-        schedule = build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
-                                  virtual_stages=p.virtual_stages)
-        errs += _nccl_p2p_problems(c, schedule)
-    except ValueError as err:
-        errs.append(str(err))
+    errs = [] if _batch_refused(c) or check_schedule(c) else _nccl_p2p_problems(c, _schedule(c))
     if c.model.tied_embeddings:
         errs.append("model.tied_embeddings=true cannot be split across pipeline stages: set "
                     "model.tied_embeddings=false or parallel.pp=1")
@@ -257,27 +266,116 @@ def check_simulate(c: Config) -> list[str]:
 
 
 def check_plan(c: Config) -> list[str]:
-    """task=plan: the plan.* settings and the cluster's accelerator and links."""
+    """task=plan: the plan.* settings (keys, ranges, lists) and the cluster's accelerator."""
+    from hpctrain.parallel.pipeline.schedules import SCHEDULES
     from hpctrain.plan.task import cluster_spec, plan_settings
 
-    return _errors_of(c, plan_settings, cluster_spec)
+    try:
+        settings = plan_settings(c)
+    except ValueError as err:
+        return [str(err), *_errors_of(c, cluster_spec)]
+    values = {f"plan.{key}": value for key, value in settings.items()}
+    errs = [p.text for p in range_problems(values, PLAN_RANGES)]
+    for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("schedules", tuple(SCHEDULES))):
+        bad = [v for v in settings[key] if v not in allowed]
+        if bad:
+            errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
+    return errs + _errors_of(c, cluster_spec)
 
 
-CHECKS: tuple[Check, ...] = (check_choices, check_positive, check_world, check_model_shape,
-                             check_batch, check_data, check_device, check_not_built,
-                             check_pipeline, check_bench)
-# task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
+def check_cluster_spec(c: Config) -> list[str]:
+    """A run predicts its step time from cluster.accelerator or cluster.calibration (a
+    bench.json): a name not in the table or a missing file is refused here, not in the ranks."""
+    if c.cluster.accelerator is None and c.cluster.calibration is None:
+        return []
+    from hpctrain.plan.task import cluster_spec
+
+    return _errors_of(c, cluster_spec)
+
+
+def reads_data(c: Config) -> bool:
+    """task=train and bench=train read the token cache (and resume checkpoints)."""
+    if c.task == "bench":
+        from hpctrain.bench.task import needs_data
+
+        try:
+            return needs_data(c)
+        except ValueError:  # a bad bench group: check_bench reports it
+            return False
+    return c.task == "train"
+
+
+# Checks → the keys they read ("group." is every key of a group); the first is the key a
+# problem is reported under. A check is skipped when a key it reads was already reported, so
+# none divides by zero, builds a fix from a bad value or repeats a problem. INPUTS (one key
+# each: the launcher, paths) run before DERIVED (cross-field) and can mute them.
+INPUTS: dict[Check, tuple[str, ...]] = {
+    check_local_nodes: ("cluster.nodes", "cluster.launcher"),
+    check_resume: ("train.resume",),
+    check_data_paths: ("data.paths", "data.source"),
+    check_cache_dir: ("data.cache_dir", "data."),
+}
+_BATCH = ("train.global_batch_size", "train.micro_batch_size", "parallel.")
+_SHAPE = ("model.", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.sp",
+          "parallel.schedule", "train.seq_len")
+DERIVED: dict[Check, tuple[str, ...]] = {
+    check_world: ("parallel.dp", "parallel.tp", "parallel.pp", "cluster.nodes",
+                  "cluster.procs_per_node"),
+    check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
+    check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
+    check_head_dim: ("model.dim", "model.n_heads"),
+    check_model_shape: _SHAPE,
+    check_batch: _BATCH,
+    check_vocab: ("model.vocab_size", "data."),
+    check_data_size: ("data.", "train.", "parallel.dp"),
+    check_device: ("cluster.", "train."),
+    check_not_built: ("parallel.", "bench"),
+    check_schedule: _BATCH,
+    check_pipeline: (*_BATCH, *_SHAPE, "train.activation_checkpointing", "cluster."),
+    check_cluster_spec: ("cluster.",),
+    check_bench: ("bench", "cluster.", "parallel."),
+    check_simulate: _BATCH,
+    check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
+}
+# What reads the token cache and checkpoints runs only where the task does (reads_data).
+DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
+CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
+                             check_head_dim, check_model_shape, check_batch, check_vocab,
+                             check_data_size, check_device, check_not_built, check_schedule,
+                             check_pipeline, check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
-    "simulate": (check_choices, check_positive, check_simulate),
+    "train": CHECKS,
+    "bench": CHECKS,
+    # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
+    "simulate": (check_simulate,),
     # The planner predicts any layout, including ones this version cannot run yet.
-    "plan": (check_choices, check_positive, check_world, check_model_shape, check_batch,
+    "plan": (check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
              check_plan),
 }
 
 
-def validate(c: Config) -> None:
-    errors = [e for check in TASK_CHECKS.get(c.task, CHECKS) for e in check(c)]
-    if errors:
-        bullet = "\n  - "
-        raise ValueError(f"invalid configuration ({len(errors)} problem(s)):{bullet}"
-                         + bullet.join(errors))
+def problems_of(c: Config, *, found: Sequence[Problem] = ()) -> list[Problem]:
+    """Every problem of `c`: `found` (from building it), choices and ranges, then INPUTS,
+    then DERIVED, each check skipped if a key it reads was already reported."""
+    problems = [*found, *choice_problems(c), *config_range_problems(c)]
+    if "task" in {p.key for p in problems}:
+        return problems
+    data = reads_data(c)
+    wanted = [k for k in TASK_CHECKS[c.task] if data or k not in DATA_CHECKS]
+    for stage in (INPUTS, DERIVED):
+        failed = {p.key for p in problems}
+        problems += [Problem(reads[0], text) for check, reads in stage.items()
+                     if check in wanted and not _reads_any(reads, failed) for text in check(c)]
+    return problems
+
+
+def _reads_any(reads: tuple[str, ...], failed: set[str]) -> bool:
+    return any(key == r or key.startswith(r if r.endswith(".") else r + ".")
+               for r in reads for key in failed)
+
+
+def validate(c: Config, *, found: Sequence[Problem] = ()) -> None:
+    """Raise one ValueError listing every problem of `c` (and `found`), each once."""
+    problems = problems_of(c, found=found)
+    if problems:
+        raise ValueError(format_problems(problems))

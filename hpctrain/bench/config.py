@@ -69,23 +69,25 @@ def _subset(key: str, values, allowed) -> list[str]:
 
 
 def _ranges(b: BenchConfig, world: int) -> list[str]:
-    errs = [f"bench.{k}={v} must be > 0" for k, v in
+    errs = [f"bench.{k}={v} must be > 0: set it to 1 or more" for k, v in
             {"min_bytes": b.min_bytes, "iters": b.iters, "gemm_min_dim": b.gemm_min_dim}.items()
             if v <= 0]
     if b.max_bytes < b.min_bytes:
         errs.append(f"bench.max_bytes={b.max_bytes} < bench.min_bytes={b.min_bytes}: "
                     "raise max_bytes or lower min_bytes")
     if b.gemm_max_dim < b.gemm_min_dim:
-        errs.append(f"bench.gemm_max_dim={b.gemm_max_dim} < bench.gemm_min_dim={b.gemm_min_dim}")
+        errs.append(f"bench.gemm_max_dim={b.gemm_max_dim} < bench.gemm_min_dim={b.gemm_min_dim}: "
+                    "raise gemm_max_dim or lower gemm_min_dim")
     if b.warmup < 0:
-        errs.append(f"bench.warmup={b.warmup} must be >= 0")
+        errs.append(f"bench.warmup={b.warmup} must be >= 0: set it to 0 (no warmup) or more")
     if not 0 < b.outlier_fraction <= 1:
         errs.append(f"bench.outlier_fraction={b.outlier_fraction} must be in (0, 1], e.g. 0.8")
     if b.slow_factor < 1:
         errs.append(f"bench.slow_factor={b.slow_factor} must be >= 1 (1 disables injection)")
     bad = [r for r in b.slow_ranks if not 0 <= r < world]
     if bad:
-        errs.append(f"bench.slow_ranks={list(b.slow_ranks)} has ranks outside 0..{world - 1}")
+        errs.append(f"bench.slow_ranks={list(b.slow_ranks)} has ranks outside 0..{world - 1}: "
+                    "list ranks of this job only")
     return errs
 
 

@@ -172,11 +172,23 @@ class SweepSummary(Callback):
 
 def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     """Validate every point before any job starts (`sweep_check`), then prepare the data of
-    each distinct data config once, so jobs only read the token cache."""
-    from hpctrain.launch.sweep_check import parsed_points
+    each distinct data config once, so jobs only read the token cache, and check that every
+    point's batches fit its data (one ValueError naming each point that does not)."""
+    from hpctrain.launch.sweep_check import parsed_points, sweep_points
     from hpctrain.train.prepare import prepare
+    from hpctrain.validate import reads_data
+    from hpctrain.validate_inputs import check_prepared
 
-    datas = {p.data for p in parsed_points(config, run_dir=sweep_dir)
-             if p.task not in ("simulate", "plan")}
-    for data in datas:
-        prepare(data)
+    points = parsed_points(config, run_dir=sweep_dir)
+    overrides = sweep_points(list(config.hydra.overrides.task))
+    prepared = {p.data: prepare(p.data) for p in points if reads_data(p)}
+    errors = []
+    for i, point in enumerate(points):
+        try:
+            if reads_data(point):
+                check_prepared(point, prepared[point.data])
+        except ValueError as err:
+            errors.append(f"point {i} ({' '.join(overrides[i]) or 'no overrides'}): {err}")
+    if errors:
+        raise ValueError(f"{len(errors)} of {len(points)} sweep point(s) have less data than a "
+                         "batch; nothing was launched:\n" + "\n".join(errors))

@@ -79,6 +79,42 @@ def _tokenize_bpe(docs: list[bytes], vocab_size: int, out_dir: Path) -> tuple[np
     return np.concatenate(ids), eod
 
 
+def tokenizer_vocab(data: DataConfig) -> int:
+    """Token ids the tokenizer of `data` produces (a model needs at least this vocab_size)."""
+    return data.bpe_vocab_size if data.tokenizer == "bpe" else BYTE_EOD + 1
+
+
+def split_sizes(n_tokens: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) token counts of a prepared dataset of n_tokens; val holds at least one."""
+    n_val = max(1, int(n_tokens * val_fraction))
+    return n_tokens - n_val, n_val
+
+
+def predicted_split(data: DataConfig) -> tuple[int, int] | None:
+    """The (train, val) token counts `prepare` will produce, computed from file sizes without
+    reading them; None where that needs more (BPE, or listing the whole stdlib)."""
+    if data.source != "files" or data.tokenizer != "byte":
+        return None
+    total = docs = 0
+    for path in source_files(data):  # as _read_documents: every file is a document + EOD
+        if total >= data.max_bytes:
+            break
+        total += min(path.stat().st_size, data.max_bytes - total)
+        docs += 1
+    return split_sizes(total + docs, data.val_fraction)
+
+
+def cached_dir(data: DataConfig) -> Path | None:
+    """The prepared directory of `data` if it is already in the cache, else None."""
+    files = source_files(data) if data.source != "tokens" else []
+    out = _out_dir(data, files)
+    return out if files and (out / "meta.json").exists() else None
+
+
+def _out_dir(data: DataConfig, files: list[Path]) -> Path:
+    return Path(os.path.expanduser(data.cache_dir)) / "data" / _cache_key(data, files)
+
+
 def prepare(data: DataConfig) -> Path:
     """Return the prepared token directory for `data`, building it if needed."""
     if data.source == "tokens":
@@ -87,7 +123,7 @@ def prepare(data: DataConfig) -> Path:
     if not files:
         raise ValueError(f"data.source={data.source}: no text files found "
                          f"(data.paths={data.paths})")
-    out = Path(os.path.expanduser(data.cache_dir)) / "data" / _cache_key(data, files)
+    out = _out_dir(data, files)
     if (out / "meta.json").exists():
         return out
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
@@ -97,13 +133,13 @@ def prepare(data: DataConfig) -> Path:
         tokens, eod = _tokenize_bpe(docs, data.bpe_vocab_size, tmp)
     else:
         tokens, eod = _tokenize_bytes(docs)
-    vocab = data.bpe_vocab_size if data.tokenizer == "bpe" else BYTE_EOD + 1
+    vocab = tokenizer_vocab(data)
     dtype = np.uint16 if vocab <= 65536 else np.uint32
     tokens = tokens.astype(dtype)
-    n_val = max(1, int(len(tokens) * data.val_fraction))
-    tokens[:-n_val].tofile(tmp / "train.bin")
-    tokens[-n_val:].tofile(tmp / "val.bin")
-    meta = {"dtype": np.dtype(dtype).name, "train_tokens": len(tokens) - n_val,
+    n_train, n_val = split_sizes(len(tokens), data.val_fraction)
+    tokens[:n_train].tofile(tmp / "train.bin")
+    tokens[n_train:].tofile(tmp / "val.bin")
+    meta = {"dtype": np.dtype(dtype).name, "train_tokens": n_train,
             "val_tokens": n_val, "vocab_size": vocab, "eod": int(eod),
             "tokenizer": data.tokenizer, "documents": len(docs), "source": data.source}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -27,7 +27,8 @@ def test_every_option_composes(group, tmp_path):
         assert cfg[group] is not None
         overrides += NEEDS.get((group, option), [])
         if (group, option) == ("data", "files"):
-            overrides.append(f"data.paths=[{ROOT / 'README.md'}]")
+            # enough text for one batch and one eval batch (the README alone is not)
+            overrides.append(f"data.paths=['{ROOT / 'hpctrain' / '*' / '*.py'}']")
         if group == "parallel":
             world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
             overrides.append(f"cluster.procs_per_node={world}")

@@ -1,0 +1,170 @@
+"""What a run reads and writes, checked before any rank starts: every path, and whether the data
+holds at least one batch and fits the model's vocabulary.
+
+Each check returns messages (key, value, fix), like the checks in `hpctrain.validate`. The data
+size is known before tokenising for byte-level files and prepared token directories
+(`check_data_size`, at parse time); for the rest `check_prepared` checks it right after
+`prepare`, still in the launching process (hpctrain.tasks.preflight, the sweep callback).
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import json
+import os
+from pathlib import Path
+
+from hpctrain.config import Config, format_problems
+from hpctrain.train import prepare as prep
+
+RESUME_MODES = ("auto", "never")
+TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
+META_KEYS = {"dtype", "train_tokens", "val_tokens", "vocab_size"}
+
+
+def check_resume(c: Config) -> list[str]:
+    """train.resume: auto, never, or a directory holding a saved checkpoint."""
+    mode = c.train.resume
+    if mode in RESUME_MODES:
+        return []
+    path = Path(mode).expanduser()
+    if path.is_dir() and (path / "train_state.json").is_file():
+        return []
+    close = difflib.get_close_matches(mode, RESUME_MODES, n=1, cutoff=0.5)
+    if close and not path.exists():
+        return [f"train.resume={mode!r} is not auto, never or an existing checkpoint "
+                f"directory: did you mean train.resume={close[0]}?"]
+    saved = sorted(p.parent for p in path.glob("checkpoints/step_*/train_state.json"))
+    if saved:
+        return [f"train.resume={mode!r} is a run directory, not a checkpoint: pass "
+                f"train.resume={saved[-1]} (its newest)"]
+    why = ("no such directory" if not path.exists() else
+           "a file, not a directory" if not path.is_dir() else
+           "no train_state.json in it, so not a saved checkpoint")
+    return [f"train.resume={mode!r}: {why}; pass a checkpoint directory such as "
+            "<run_dir>/checkpoints/step_00000100, or train.resume=auto (the newest in this "
+            "run directory) or train.resume=never"]
+
+
+def check_data_paths(c: Config) -> list[str]:
+    """data.paths of files/tokens: present, files (not only directories), readable."""
+    d = c.data
+    if d.source == "stdlib":
+        return []
+    if not d.paths:
+        return [f"data.source={d.source} needs data.paths (files or globs): e.g. "
+                "data.paths=[/path/a.txt,'/path/docs/*.md']"]
+    if d.source == "tokens":
+        return _token_dir_problems(d.paths)
+    return [e for pattern in d.paths for e in _pattern_problems(pattern)]
+
+
+def _pattern_problems(pattern: str) -> list[str]:
+    matches = glob.glob(os.path.expanduser(pattern))
+    files = [m for m in matches if os.path.isfile(m)]
+    if not matches:
+        return [f"data.paths: no file matches {pattern}: check the path (globs such as "
+                "'dir/*.txt' are expanded)"]
+    if not files:
+        return [f"data.paths: {pattern} matches only directories: give files or a glob such "
+                f"as '{pattern.rstrip('/')}/*.txt'"]
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        return [f"data.paths: {unreadable[0]} is not readable (permissions): fix them or drop "
+                "it from data.paths"]
+    return []
+
+
+def _token_dir_problems(paths: tuple[str, ...]) -> list[str]:
+    if len(paths) != 1:
+        return [f"data.source=tokens reads one prepared directory but data.paths has "
+                f"{len(paths)}: give one (data.paths=[<dir with {', '.join(TOKEN_FILES)}>])"]
+    root = Path(paths[0]).expanduser()
+    missing = [name for name in TOKEN_FILES if not (root / name).is_file()]
+    try:
+        meta = {} if missing else json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if missing or not isinstance(meta, dict) or not META_KEYS <= meta.keys():
+        what = f"lacks {', '.join(missing)}" if missing else "has an unreadable meta.json"
+        return [f"data.paths={paths[0]} (data.source=tokens) {what}: give a directory written "
+                "by hpctrain's prepare (data.source=files writes one under data.cache_dir)"]
+    return []
+
+
+def check_cache_dir(c: Config) -> list[str]:
+    """data.cache_dir must be writable, unless the data is prepared there already."""
+    d = c.data
+    if d.source == "tokens":
+        return []
+    root = Path(d.cache_dir).expanduser()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return []
+    if existing.is_dir() and prep.cached_dir(d) is not None:
+        return []
+    what = "is a file" if not existing.is_dir() else "is not writable"
+    return [f"data.cache_dir={d.cache_dir}: {existing} {what}, so the tokens cannot be "
+            "prepared: set data.cache_dir (or $HPCTRAIN_CACHE) to a writable directory"]
+
+
+def tokens_of(c: Config, data_dir: Path | None = None) -> tuple[int, int] | None:
+    """(train, val) tokens: from a prepared directory's meta.json, else predicted; None when
+    only preparing can tell (BPE, stdlib)."""
+    if data_dir is None and c.data.source == "tokens":
+        data_dir = Path(c.data.paths[0]).expanduser()
+    if data_dir is None:
+        return prep.predicted_split(c.data)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    return meta["train_tokens"], meta["val_tokens"]
+
+
+def data_size_problems(c: Config, *, train: int, val: int) -> list[str]:
+    """A split shorter than one batch (train) or one eval batch (val) is refused."""
+    t, dp, errs = c.train, c.parallel.dp, []
+    need = t.global_batch_size * t.seq_len + 1
+    if train < need:
+        errs.append(f"the data's train split holds {train} tokens, fewer than one batch needs: "
+                    f"train.global_batch_size={t.global_batch_size} × train.seq_len={t.seq_len}"
+                    f" + 1 = {need}: add data (data.paths, data.max_bytes={c.data.max_bytes}) "
+                    "or lower train.global_batch_size or train.seq_len")
+    rows = t.micro_batch_size * dp if t.eval_every else 1
+    need = rows * t.seq_len + 1
+    if val < need:
+        batch = (f"one eval batch needs: train.micro_batch_size={t.micro_batch_size} × "
+                 f"parallel.dp={dp} × " if t.eval_every else "one sample needs: ")
+        errs.append(f"the data's val split holds {val} tokens (data.val_fraction="
+                    f"{c.data.val_fraction}), fewer than {batch}train.seq_len={t.seq_len} + 1 "
+                    f"= {need}: raise data.val_fraction or add data"
+                    + (", or set train.eval_every=0" if t.eval_every else ""))
+    return errs
+
+
+def check_data_size(c: Config) -> list[str]:
+    counts = tokens_of(c)
+    return [] if counts is None else data_size_problems(c, train=counts[0], val=counts[1])
+
+
+def check_prepared(c: Config, data_dir: Path) -> None:
+    """After `prepare`: ValueError (the usual one message) if a split is shorter than a batch."""
+    train, val = tokens_of(c, data_dir)
+    errs = data_size_problems(c, train=train, val=val)
+    if errs:
+        raise ValueError(format_problems(errs) + f"\n(prepared data: {data_dir})")
+
+
+def check_vocab(c: Config) -> list[str]:
+    """model.vocab_size must hold every token id the tokenizer produces."""
+    d, have = c.data, c.model.vocab_size
+    if d.source == "tokens":
+        meta = Path(d.paths[0]).expanduser() / "meta.json"
+        need, what = json.loads(meta.read_text())["vocab_size"], f"prepared data ({meta})"
+    else:
+        need, what = prep.tokenizer_vocab(d), f"data.tokenizer={d.tokenizer}"
+    if have >= need:
+        return []
+    fix = 1 << (need - 1).bit_length()  # a power of two: every tp up to it divides it
+    least = f" (or at least {need})" if fix != need else ""
+    return [f"model.vocab_size={have} is smaller than the {need} token ids of {what}: "
+            f"set model.vocab_size={fix}{least}"]

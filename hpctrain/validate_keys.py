@@ -1,0 +1,199 @@
+"""Key-level rules, as tables: the allowed values of every choice key (`choices`) and the range
+of every numeric key (`RANGES`: key → Range, with the fix for a value outside it).
+
+A value outside its range becomes "<key>=<value> must be <range>: <fix>". Each problem carries
+its key, so `hpctrain.validate` can skip the cross-field checks that read a key already found
+bad (they would divide by zero or suggest a wrong fix). None passes for keys whose type allows
+it (it means "unset"); the type itself is checked by `config.build_checked`. The task groups
+read from `Config.extra` check their own ranges: bench (hpctrain.bench.config), simulate
+(sim_task.simulate_costs), plan (PLAN_RANGES below, applied by validate.check_plan).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hpctrain.config import Config, Problem
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINTING = ("none", "selective", "full")
+TASKS = ("train", "simulate", "bench", "plan")
+
+
+def choices(c: Config) -> dict[str, tuple[object, tuple]]:
+    """key → (value, allowed values) of every key with a fixed set of values."""
+    from hpctrain.ops.attention import ATTENTION_BACKENDS
+    from hpctrain.parallel.pipeline.schedules import SCHEDULES
+
+    return {
+        "task": (c.task, TASKS),
+        "model.attention": (c.model.attention, tuple(ATTENTION_BACKENDS)),
+        "parallel.schedule": (c.parallel.schedule, tuple(SCHEDULES)),
+        "train.precision": (c.train.precision, PRECISIONS),
+        "train.activation_checkpointing": (c.train.activation_checkpointing, CHECKPOINTING),
+        "cluster.launcher": (c.cluster.launcher, ("local", "slurm")),
+        "cluster.device": (c.cluster.device, ("auto", "cpu", "cuda")),
+        "cluster.backend": (c.cluster.backend, ("auto", "gloo", "nccl")),
+        "data.source": (c.data.source, ("stdlib", "files", "tokens")),
+        "data.tokenizer": (c.data.tokenizer, ("byte", "bpe")),
+        "logger.wandb": (c.logger.wandb, ("auto", "online", "offline", "disabled")),
+        "logger.progress": (c.logger.progress, ("auto", "rich", "plain")),
+        "optim.name": (c.optim.name, ("adamw",)),
+        "optim.lr_schedule": (c.optim.lr_schedule, ("cosine", "constant")),
+        "parallel.offload": (c.parallel.offload, ("none", "cpu")),
+        "parallel.grad_comm_dtype": (c.parallel.grad_comm_dtype, PRECISIONS),
+    }
+
+
+def choice_problems(c: Config) -> list[Problem]:
+    return [Problem(key, f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}: "
+                         + _closest(key, value, allowed))
+            for key, (value, allowed) in choices(c).items() if value not in allowed]
+
+
+def _closest(key: str, value, allowed: tuple) -> str:
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    return f"did you mean {key}={close[0]}?" if close else f"e.g. {key}={allowed[0]}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """lo ≤ value ≤ hi (strict where lo_open / hi_open); a bound of None is no bound."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    fix: str | None = None  # what to do instead; default: "set it to <a value inside>"
+
+    def holds(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '≥'} {_num(self.lo)}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '≤'} {_num(self.hi)}"
+        left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+
+    def advice(self) -> str:
+        if self.fix:
+            return self.fix
+        if self.hi is None:
+            return "set it to 1 or more" if self.lo_open and self.lo == 0 else \
+                f"set it to {_num(self.lo)} or more"
+        return f"set it between {_num(self.lo)} and {_num(self.hi)}"
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def at_least(lo: float, fix: str | None = None) -> Range:
+    return Range(lo=lo, fix=fix)
+
+
+def positive(fix: str | None = None) -> Range:
+    return Range(lo=0, lo_open=True, fix=fix)
+
+
+def fraction(*, lo_open: bool = False, hi_open: bool = False, fix: str | None = None) -> Range:
+    return Range(lo=0, hi=1, lo_open=lo_open, hi_open=hi_open, fix=fix)
+
+
+_COUNT = "set it to 1 or more"
+RANGES: dict[str, Range] = {
+    "cluster.nodes": positive(),
+    "cluster.procs_per_node": positive("one rank per GPU (or CPU process): e.g. "
+                                       "cluster.procs_per_node=1"),
+    "cluster.timeout_s": positive("a stuck collective fails after this many seconds: e.g. "
+                                  "cluster.timeout_s=300"),
+    "cluster.threads_per_proc": positive(),
+    "cluster.time_min": positive("the Slurm time limit in minutes: e.g. cluster.time_min=60"),
+    "cluster.gpus_per_node": at_least(0, "set it to 0 (no --gres) or the GPUs of a node"),
+    "cluster.cpus_per_task": positive(),
+    "cluster.mem_gb": at_least(0, "set it to 0 (all of a node's memory) or null (default)"),
+    "cluster.signal_delay_s": at_least(0, "seconds before the time limit to checkpoint: "
+                                          "e.g. cluster.signal_delay_s=120"),
+    "cluster.intra_node_gb_s": positive("give the per-GPU link bandwidth, e.g. 300.0"),
+    "cluster.inter_node_gb_s": positive("give the per-node network bandwidth, e.g. 200.0"),
+    "cluster.achievable_fraction": fraction(lo_open=True, fix="e.g. 0.5 of the dense peak"),
+    "parallel.dp": positive(),
+    "parallel.tp": positive(),
+    "parallel.pp": positive(),
+    "parallel.zero": Range(lo=0, hi=3, fix="ZeRO stages are 0 (plain data parallel), 1, 2, 3"),
+    "parallel.microbatches": positive("or leave it unset (null) to derive it from the batch"),
+    "parallel.virtual_stages": positive(),
+    "parallel.bucket_mb": positive("e.g. parallel.bucket_mb=25"),
+    "train.steps": positive(),
+    "train.seed": Range(lo=0, hi=2**32 - 1),
+    "train.global_batch_size": positive(),
+    "train.micro_batch_size": positive(),
+    "train.seq_len": Range(lo=2, fix="a sample needs at least 2 tokens: e.g. train.seq_len=128"),
+    "train.grad_clip": at_least(0, "set it to 0 (no clipping) or a positive norm, e.g. 1.0"),
+    "train.log_every": positive(),
+    "train.eval_every": at_least(0, "set it to 0 (no evaluation) or a step interval"),
+    "train.eval_batches": positive(f"{_COUNT}, or train.eval_every=0 to skip eval"),
+    "train.checkpoint_every": at_least(0, "set it to 0 (save at the end only) or a step "
+                                          "interval"),
+    "train.profile_steps": positive(f"{_COUNT} (steps traced with train.profile=true)"),
+    "train.stop_after": positive(f"{_COUNT}, or null to run all train.steps"),
+    "optim.lr": positive("e.g. optim.lr=3e-3"),
+    "optim.min_lr": at_least(0, "set it to 0 or a fraction of optim.lr, e.g. lr/10"),
+    "optim.weight_decay": at_least(0, "set it to 0 (none) or e.g. 0.1"),
+    "optim.beta1": fraction(hi_open=True, fix="e.g. optim.beta1=0.9"),
+    "optim.beta2": fraction(hi_open=True, fix="e.g. optim.beta2=0.95"),
+    "optim.eps": positive("e.g. optim.eps=1e-8"),
+    "optim.warmup_steps": at_least(0, "set it to 0 (no warmup) or a step count"),
+    "data.bpe_vocab_size": at_least(257, "the byte-level alphabet (256) plus end-of-document "
+                                         "need 257: e.g. data.bpe_vocab_size=512"),
+    "data.max_bytes": positive("e.g. data.max_bytes=4000000"),
+    "data.val_fraction": fraction(lo_open=True, hi_open=True,
+                                  fix="both splits need tokens: e.g. data.val_fraction=0.01"),
+    "model.vocab_size": positive(),
+    "model.dim": positive(),
+    "model.n_layers": positive(),
+    "model.n_heads": positive(),
+    "model.n_kv_heads": positive(),
+    "model.ffn_dim": positive(),
+    "model.max_seq_len": Range(lo=2, fix="e.g. model.max_seq_len=256"),
+    "model.rope_theta": positive("e.g. model.rope_theta=10000"),
+    "model.norm_eps": positive("e.g. model.norm_eps=1e-5"),
+}
+PLAN_RANGES: dict[str, Range] = {
+    "plan.n_devices": positive("or null for nodes × procs_per_node"),
+    "plan.top": positive(),
+    "plan.dp_overlap": fraction(fix="the fraction of dp communication hidden: e.g. 0.0"),
+}
+
+
+def check_range(key: str, value: Any, rule: Range) -> list[Problem]:
+    """The problem of one value (none for None: unset), numbers only."""
+    if value is None:
+        return []
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return [Problem(key, f"{key}={value!r} should be a number: {rule.advice()}")]
+    if rule.holds(value):
+        return []
+    finite = "" if math.isfinite(value) else "a finite number "
+    return [Problem(key, f"{key}={value} must be {finite}{rule.describe()}: {rule.advice()}")]
+
+
+def range_problems(values: dict[str, Any], table: dict[str, Range]) -> list[Problem]:
+    """Every value of `values` (key → value) outside its range in `table`."""
+    return [p for key, rule in table.items() if key in values
+            for p in check_range(key, values[key], rule)]
+
+
+def config_range_problems(c: Config) -> list[Problem]:
+    """Every key of `RANGES` whose value in `c` is outside its range."""
+    values = {key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for key in RANGES}
+    return range_problems(values, RANGES)

@@ -1,0 +1,300 @@
+"""Every bad input is refused by `config.parse`: one ValueError naming the key and the fix.
+
+Each row of BAD is a mistake a user makes (or a relative of one): the overrides, then words
+the single message must contain — the key (with its value) and the fix. `{d}` is a folder
+holding a tiny file, an empty file, a folder, a short file, an empty "checkpoint", a run
+directory with two checkpoints and two prepared token directories (short; broken meta.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from hpctrain.config import _GROUPS
+from hpctrain.validate_keys import RANGES
+from tests.conftest import make_config
+
+PLAN = ["task=plan", "cluster.accelerator=H100-SXM"]
+FILES = "data=files"
+BAD = [
+    # cluster
+    (["cluster.procs_per_node=0"], ["cluster.procs_per_node=0 must be > 0",
+                                    "cluster.procs_per_node=1"]),
+    (["cluster.nodes=0"], ["cluster.nodes=0 must be > 0", "1 or more"]),
+    (["cluster.nodes=2"], ["cluster.nodes=2", "set cluster.nodes=1", "cluster=slurm"]),
+    (["cluster.timeout_s=-5"], ["cluster.timeout_s=-5 must be > 0", "cluster.timeout_s=300"]),
+    (["cluster.threads_per_proc=0"], ["cluster.threads_per_proc=0", "1 or more"]),
+    (["cluster.time_min=0"], ["cluster.time_min=0", "cluster.time_min=60"]),
+    (["cluster.gpus_per_node=-1"], ["cluster.gpus_per_node=-1 must be ≥ 0", "set it to 0"]),
+    (["cluster.cpus_per_task=0"], ["cluster.cpus_per_task=0", "1 or more"]),
+    (["cluster.mem_gb=-4"], ["cluster.mem_gb=-4", "0 (all of a node's memory)"]),
+    (["cluster.signal_delay_s=-1"], ["cluster.signal_delay_s=-1", "signal_delay_s=120"]),
+    (["cluster.intra_node_gb_s=0"], ["cluster.intra_node_gb_s=0.0 must be > 0", "300.0"]),
+    (["cluster.inter_node_gb_s=-1"], ["cluster.inter_node_gb_s=-1.0", "200.0"]),
+    (["cluster.achievable_fraction=0"], ["cluster.achievable_fraction=0.0 must be in (0, 1]",
+                                         "0.5"]),
+    (["cluster.achievable_fraction=1.5"], ["cluster.achievable_fraction=1.5", "0.5"]),
+    (["cluster.calibration=/nonexistent/bench.json"],
+     ["cluster.calibration='/nonexistent/bench.json'", "task=bench"]),
+    (["cluster.accelerator=H900"], ["cluster.accelerator='H900'", "H100-SXM"]),
+    (["cluster.device=tpu"], ["cluster.device='tpu'", "'cuda'"]),
+    (["cluster.backend=mpi"], ["cluster.backend='mpi'", "'gloo'"]),
+    (["cluster.launcher=k8s"], ["cluster.launcher='k8s'", "'slurm'"]),
+    (["cluster.timeout_s=abc"], ["cluster.timeout_s='abc' should be int", "cluster.timeout_s=300"]),
+    (["cluster=slurm", "cluster.procs_per_node=1", "cluster.time_min=1",
+      "cluster.signal_delay_s=120"],
+     ["cluster.signal_delay_s=120 is not below cluster.time_min=1", "time_min to 3"]),
+    # parallel
+    (["parallel.dp=0"], ["parallel.dp=0 must be > 0", "1 or more"]),
+    (["parallel.tp=0"], ["parallel.tp=0 must be > 0", "1 or more"]),
+    (["parallel.pp=0"], ["parallel.pp=0 must be > 0", "1 or more"]),
+    (["parallel.dp=-2"], ["parallel.dp=-2 must be > 0", "1 or more"]),
+    (["parallel.zero=4"], ["parallel.zero=4 must be in [0, 3]", "0 (plain data parallel)"]),
+    (["parallel.zero=-1"], ["parallel.zero=-1", "ZeRO stages"]),
+    (["parallel.microbatches=0"], ["parallel.microbatches=0", "unset (null)"]),
+    (["parallel.virtual_stages=0"], ["parallel.virtual_stages=0", "1 or more"]),
+    (["parallel.bucket_mb=0"], ["parallel.bucket_mb=0.0 must be > 0", "bucket_mb=25"]),
+    (["parallel.offload=gpu"], ["parallel.offload='gpu'", "'cpu'"]),
+    (["parallel.grad_comm_dtype=int8"], ["parallel.grad_comm_dtype='int8'", "'bf16'"]),
+    (["parallel.dp=2"], ["= 2 ranks", "set parallel.dp=1", "cluster.procs_per_node=2"]),
+    (["parallel.pp=2", "cluster.procs_per_node=2", "parallel.schedule=interleaved_1f1b"],
+     ["interleaved_1f1b needs virtual_stages >= 2", "parallel.virtual_stages=2"]),
+    ([*PLAN, "parallel.pp=2", "parallel.schedule=interleaved_1f1b"],
+     ["interleaved_1f1b needs virtual_stages >= 2", "parallel.virtual_stages=2"]),
+    (["parallel.tp=3", "cluster.procs_per_node=3"],
+     ["model.n_heads=4 is not divisible by parallel.tp=3", "divisors of the head count"]),
+    # train
+    (["train.steps=-1"], ["train.steps=-1 must be > 0", "1 or more"]),
+    (["train.seed=-1"], ["train.seed=-1", "between 0 and"]),
+    (["train.global_batch_size=0"], ["train.global_batch_size=0", "1 or more"]),
+    (["train.micro_batch_size=0"], ["train.micro_batch_size=0", "1 or more"]),
+    (["train.micro_batch_size=-4"], ["train.micro_batch_size=-4", "1 or more"]),
+    (["train.seq_len=0"], ["train.seq_len=0 must be ≥ 2", "train.seq_len=128"]),
+    (["train.seq_len=1"], ["train.seq_len=1 must be ≥ 2", "train.seq_len=128"]),
+    (["train.grad_clip=-1"], ["train.grad_clip=-1.0 must be ≥ 0", "0 (no clipping)"]),
+    (["train.log_every=0"], ["train.log_every=0", "1 or more"]),
+    (["train.eval_every=-10"], ["train.eval_every=-10 must be ≥ 0", "0 (no evaluation)"]),
+    (["train.eval_batches=0"], ["train.eval_batches=0 must be > 0", "train.eval_every=0"]),
+    (["train.checkpoint_every=-5"], ["train.checkpoint_every=-5", "0 (save at the end only)"]),
+    (["train.profile_steps=0"], ["train.profile_steps=0", "1 or more"]),
+    (["train.stop_after=-1"], ["train.stop_after=-1", "null to run all train.steps"]),
+    (["train.stop_after=0"], ["train.stop_after=0", "null to run all train.steps"]),
+    (["train.resume=nevr"], ["train.resume='nevr'", "did you mean train.resume=never"]),
+    (["train.resume=atuo"], ["train.resume='atuo'", "did you mean train.resume=auto"]),
+    (["train.resume=/nonexistent/ckpt"], ["train.resume='/nonexistent/ckpt': no such directory",
+                                          "checkpoints/step_"]),
+    (["train.resume={d}/tiny.txt"], ["a file, not a directory", "train.resume=never"]),
+    (["train.resume={d}/ckempty"], ["no train_state.json", "train.resume=auto"]),
+    (["train.resume={d}/run"], ["is a run directory, not a checkpoint",
+                                "train.resume={d}/run/checkpoints/step_00000020 (its newest)"]),
+    (["train.precision=fp64"], ["train.precision='fp64'", "'bf16'"]),
+    (["train.activation_checkpointing=all"], ["train.activation_checkpointing='all'", "'full'"]),
+    (["train.global_batch_size=6"], ["train.global_batch_size=6 is not divisible",
+                                     "use a multiple such as 4"]),
+    (["train.seq_len=512"], ["train.seq_len=512 exceeds model.max_seq_len=256",
+                             "lower train.seq_len"]),
+    (["train.steps=1.5"], ["train.steps=1.5 should be int", "train.steps=200"]),
+    (["train.grad_clip=abc"], ["train.grad_clip='abc' should be float", "train.grad_clip=1.0"]),
+    # optim
+    (["optim.lr=-1"], ["optim.lr=-1.0 must be > 0", "optim.lr=3e-3"]),
+    (["optim.lr=nan"], ["optim.lr=nan must be a finite number", "optim.lr=3e-3"]),
+    (["optim.lr=inf"], ["optim.lr=inf must be a finite number", "optim.lr=3e-3"]),
+    (["optim.min_lr=1.0"], ["optim.min_lr=1 exceeds optim.lr=0.003", "333× its peak",
+                            "optim.min_lr=0.0003"]),
+    (["optim.min_lr=-0.1"], ["optim.min_lr=-0.1 must be ≥ 0", "lr/10"]),
+    (["optim.beta1=1.5"], ["optim.beta1=1.5 must be in [0, 1)", "optim.beta1=0.9"]),
+    (["optim.beta1=-0.1"], ["optim.beta1=-0.1", "optim.beta1=0.9"]),
+    (["optim.beta2=1.0"], ["optim.beta2=1.0 must be in [0, 1)", "optim.beta2=0.95"]),
+    (["optim.eps=0"], ["optim.eps=0.0 must be > 0", "optim.eps=1e-8"]),
+    (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", "set it to 0"]),
+    (["optim.warmup_steps=-5"], ["optim.warmup_steps=-5 must be ≥ 0", "0 (no warmup)"]),
+    (["optim.lr_schedule=linear"], ["optim.lr_schedule='linear'", "'cosine'"]),
+    (["optim.name=sgd"], ["optim.name='sgd'", "optim.name=adamw"]),
+    # data
+    (["data.val_fraction=0"], ["data.val_fraction=0.0 must be in (0, 1)", "val_fraction=0.01"]),
+    (["data.val_fraction=1"], ["data.val_fraction=1.0 must be in (0, 1)", "val_fraction=0.01"]),
+    (["data.max_bytes=0"], ["data.max_bytes=0 must be > 0", "data.max_bytes=4000000"]),
+    (["data.bpe_vocab_size=100"], ["data.bpe_vocab_size=100 must be ≥ 257",
+                                   "data.bpe_vocab_size=512"]),
+    (["data.tokenizer=bpe", "data.bpe_vocab_size=1024"],
+     ["model.vocab_size=512 is smaller than the 1024 token ids", "set model.vocab_size=1024"]),
+    (["data.tokenizer=word"], ["data.tokenizer='word'", "'byte'"]),
+    (["data.source=web"], ["data.source='web'", "'files'"]),
+    ([FILES], ["data.source=files needs data.paths", "data.paths=["]),
+    ([FILES, "data.paths=[{d}/tiny.txt]"],
+     ["train split holds 1 tokens", "train.global_batch_size=16 × train.seq_len=128 + 1 = 2049",
+      "add data", "val split holds 1 tokens"]),
+    ([FILES, "data.paths=[{d}/empty.txt]"],
+     ["train split holds 0 tokens", "= 2049", "lower train.global_batch_size"]),
+    ([FILES, "data.paths=[{d}/short.txt]"],
+     ["val split holds 40 tokens", "= 513", "raise data.val_fraction", "train.eval_every=0"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "train.eval_every=0", "data.val_fraction=0.001"],
+     ["val split holds 4 tokens", "one sample needs: train.seq_len=128 + 1 = 129"]),
+    ([FILES, "data.paths=[{d}/adir]"], ["data.paths: {d}/adir matches only directories",
+                                        "'{d}/adir/*.txt'"]),
+    ([FILES, "data.paths=[/nonexistent/*.txt]"], ["no file matches /nonexistent/*.txt",
+                                                  "check the path"]),
+    (["data.source=tokens", "data.paths=[{d}/adir]"], ["lacks meta.json, train.bin, val.bin",
+                                                       "prepare"]),
+    (["data.source=tokens", "data.paths=[{d}/badtok]"], ["has an unreadable meta.json",
+                                                         "data.source=files"]),
+    (["data.source=tokens", "data.paths=[{d}/tok]", "model.vocab_size=256"],
+     ["model.vocab_size=256 is smaller than the 300 token ids of prepared data",
+      "set model.vocab_size=512"]),
+    (["data.source=tokens", "data.paths=[{d}/tok]"], ["train split holds 100 tokens", "= 2049",
+                                                      "val split holds 10 tokens"]),
+    (["data.cache_dir={d}/tiny.txt/cache"], ["data.cache_dir={d}/tiny.txt/cache",
+                                             "is a file", "writable directory"]),
+    # model
+    (["model.vocab_size=100"], ["model.vocab_size=100 is smaller than the 257 token ids",
+                                "set model.vocab_size=512"]),
+    (["model.vocab_size=0"], ["model.vocab_size=0 must be > 0", "1 or more"]),
+    (["model.dim=0"], ["model.dim=0 must be > 0", "1 or more"]),
+    (["model.n_layers=0"], ["model.n_layers=0 must be > 0", "1 or more"]),
+    (["model.n_heads=0"], ["model.n_heads=0 must be > 0", "1 or more"]),
+    (["model.n_kv_heads=0"], ["model.n_kv_heads=0 must be > 0", "1 or more"]),
+    (["model.ffn_dim=-8"], ["model.ffn_dim=-8 must be > 0", "1 or more"]),
+    (["model.max_seq_len=0"], ["model.max_seq_len=0 must be ≥ 2", "max_seq_len=256"]),
+    (["model.rope_theta=0"], ["model.rope_theta=0.0 must be > 0", "rope_theta=10000"]),
+    (["model.norm_eps=-1"], ["model.norm_eps=-1.0 must be > 0", "norm_eps=1e-5"]),
+    (["model.dim=36"], ["model.dim=36 / model.n_heads=4 = 9 is an odd head dimension",
+                        "even quotient"]),
+    (["model.n_heads=3"], ["model.dim=128 is not divisible by model.n_heads=3"]),
+    (["model.attention=magic"], ["model.attention='magic'", "'sdpa'"]),
+    (["model.dim=abc"], ["model.dim='abc' should be int", "give a whole number"]),
+    (["~model.dim"], ["model.dim is missing", "set model.dim=<int>"]),
+    # logger
+    (["logger.wandb=yes"], ["logger.wandb='yes'", "'offline'"]),
+    (["logger.progress=fancy"], ["logger.progress='fancy'", "'plain'"]),
+    # groups and tasks
+    (["+trian.steps=10"], ["unknown top-level group trian", "did you mean train.steps?"]),
+    (["+foo=1"], ["unknown top-level group foo", "remove +foo"]),
+    (["task.name=trian"], ["task='trian'", "did you mean task=train?"]),
+    ([*PLAN, "plan.top=0"], ["plan.top=0 must be > 0", "1 or more"]),
+    ([*PLAN, "plan.dp_overlap=2"], ["plan.dp_overlap=2 must be in [0, 1]", "e.g. 0.0"]),
+    ([*PLAN, "plan.n_devices=0"], ["plan.n_devices=0", "nodes × procs_per_node"]),
+    ([*PLAN, "plan.zero_stages=[5]"], ["plan.zero_stages has [5]", "choose from 0, 1, 2, 3"]),
+    (["task=simulate", "simulate.t_f=-1"], ["simulate.t_f=-1", ">= 0"]),
+    (["task=bench", "bench.iters=0"], ["bench.iters=0 must be > 0", "1 or more"]),
+    (["task=bench", "bench.warmup=-1"], ["bench.warmup=-1", "0 (no warmup)"]),
+    (["task=bench", "bench.slow_ranks=[abc]"], ["bench.slow_ranks[0]='abc' should be int",
+                                                "each a whole number"]),
+    ([FILES, "data.paths=[1]"], ["data.paths[0]=1 should be str", "each a string"]),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "tiny.txt").write_text("x")
+    (d / "empty.txt").write_text("")
+    (d / "short.txt").write_text("a" * 4052)  # 4053 tokens: 4013 train, 40 val at 1%
+    (d / "adir").mkdir()
+    (d / "adir" / "a.txt").write_text("hi")
+    (d / "ckempty").mkdir()
+    for name, meta in (("tok", '{"dtype": "uint16", "train_tokens": 100, "val_tokens": 10, '
+                               '"vocab_size": 300, "eod": 256}'), ("badtok", "{not json")):
+        (d / name).mkdir()  # prepared token directories: a short one, a broken one
+        for file, text in (("meta.json", meta), ("train.bin", ""), ("val.bin", "")):
+            (d / name / file).write_text(text)
+    for step in (10, 20):  # a run directory with two saved checkpoints
+        ckpt = d / "run" / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "train_state.json").write_text("{}")
+    return d
+
+
+def _refusal(overrides: list[str], d, tmp_path) -> str:
+    with pytest.raises(ValueError) as info:
+        make_config([o.replace("{d}", str(d)) for o in overrides], run_dir=tmp_path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_is_refused_with_key_and_fix(overrides, expected, inputs, tmp_path):
+    message = _refusal(overrides, inputs, tmp_path)
+    for text in expected:
+        assert text.replace("{d}", str(inputs)) in message
+    lines = message.splitlines()[1:]
+    assert len(lines) == len(set(lines)), "a problem is listed twice"
+    assert message.startswith(f"invalid configuration ({len(lines)} problem(s))")
+
+
+def test_table_has_at_least_80_mistakes():
+    assert len(BAD) >= 80
+
+
+def test_zero_ranks_per_node_never_suggests_zero_data_parallel(inputs, tmp_path):
+    message = _refusal(["cluster.procs_per_node=0"], inputs, tmp_path)
+    assert "dp=0" not in message and "(1 problem(s))" in message
+
+
+def test_every_mistake_of_a_config_is_listed_once(inputs, tmp_path):
+    """Derived checks that would divide by zero (dp=0, n_heads=0) are skipped, not run."""
+    message = _refusal(["parallel.dp=0", "model.n_heads=0", "train.steps=-1", "optim.beta1=1.5",
+                        "+trian.steps=10", "train.resume=nevr", "train.steps=abc",
+                        "optim.min_lr=1"], inputs, tmp_path)
+    assert "(7 problem(s))" in message  # train.steps: the type error replaces the range one
+    for key in ("parallel.dp=0", "model.n_heads=0", "optim.beta1=1.5", "group trian",
+                "train.resume='nevr'", "train.steps='abc'", "optim.min_lr=1 exceeds"):
+        assert key in message
+
+
+PP2 = ["parallel.pp=2", "cluster.procs_per_node=2"]
+ONE_PROBLEM = [  # each once: what used to be listed twice, or beside a misleading consequence
+    ([*PP2, "train.global_batch_size=4"], "raise train.global_batch_size"),
+    ([*PP2, "parallel.schedule=fancy"], "parallel.schedule='fancy'"),
+    ([*PP2, "parallel.virtual_stages=3"], "1f1b runs one stage per rank"),
+    (["cluster.nodes=2"], "set cluster.nodes=1"),
+    ([FILES, "data.paths=[1]"], "data.paths[0]=1"),
+]
+
+
+@pytest.mark.parametrize("overrides,text", ONE_PROBLEM, ids=[" ".join(o) for o, _ in ONE_PROBLEM])
+def test_one_problem_is_listed_once(overrides, text, inputs, tmp_path):
+    message = _refusal(overrides, inputs, tmp_path)
+    assert "(1 problem(s))" in message and text in message, message
+
+
+def _numeric(hint) -> bool:
+    args = typing.get_args(hint) or (hint,)
+    return any(a in (int, float) for a in args)
+
+
+@pytest.mark.parametrize("group", sorted(_GROUPS))
+def test_every_numeric_key_has_a_range(group):
+    cls = _GROUPS[group]
+    hints = typing.get_type_hints(cls)
+    numeric = [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name])]
+    missing = [f"{group}.{name}" for name in numeric if f"{group}.{name}" not in RANGES]
+    assert not missing, f"add these keys to hpctrain.validate_keys.RANGES: {missing}"
+
+
+def test_predicted_split_is_what_prepare_writes(tmp_path):
+    """The parse-time size (byte tokenizer, from file sizes) equals the prepared one."""
+    from hpctrain.config import DataConfig
+    from hpctrain.train.prepare import predicted_split, prepare
+    from hpctrain.validate_inputs import tokens_of
+
+    for i, size in enumerate((0, 1, 700, 3000)):
+        (tmp_path / f"{i}.txt").write_bytes(b"z" * size)
+    for max_bytes in (1, 701, 2500, 10_000):
+        data = DataConfig(source="files", paths=(str(tmp_path / "*.txt"),), max_bytes=max_bytes,
+                          val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+        cfg = make_config(["train=debug"], run_dir=tmp_path)
+        assert predicted_split(data) == tokens_of(cfg, prepare(data)), max_bytes
+
+
+def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):
+    """stdlib text is not predicted: tasks.preflight prepares it, then refuses it."""
+    from hpctrain import tasks
+
+    cfg = make_config(["data.max_bytes=100", f"data.cache_dir={tmp_path}"], run_dir=tmp_path)
+    with pytest.raises(ValueError) as info:
+        tasks.preflight(cfg)
+    message = str(info.value)
+    assert "train split holds" in message and "= 2049" in message
+    assert "data.max_bytes=100" in message and "prepared data:" in message
