@@ -254,7 +254,7 @@ def _agreed(path: Path, fn: Callable[[], T]) -> T:
     try:
         value, error = fn(), None
     except Exception as err:  # noqa: BLE001 - reported to every rank below
-        value, error = None, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        value, error = None, f"{type(err).__name__}: {_reason(err)}"
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     for rank, err in enumerate(errors):
@@ -264,3 +264,13 @@ def _agreed(path: Path, fn: Callable[[], T]) -> T:
                 "hpctrain never writes such content, so its files were changed together with "
                 f"{manifest.MANIFEST}; {_FIX}")
     return value
+
+
+def _reason(err: Exception) -> str:
+    """The gist of a loader's error: torch's weights_only message is a page that ends in the
+    actual refusal (and advises weights_only=False, which is exactly what must not happen)."""
+    text = str(err)
+    refused = re.search(r"Unsupported (global: GLOBAL \S+|operand \S+)", text)
+    if refused:
+        return refused[0]
+    return (text.splitlines() or [""])[0][:200]
