@@ -126,6 +126,20 @@ def test_damaged_newest_checkpoint_falls_back_bit_identically(runs, tmp_path, da
         "step_00000004", "step_00000006"]
 
 
+def test_killed_mid_save_resumes_from_the_previous_and_clears_the_leftovers(runs, tmp_path):
+    """A save killed before its rename leaves step_4.partial (here with a file of a larger
+    world): not a candidate, and the next save at that step starts from an empty directory."""
+    run_dir = _copy(runs, tmp_path)
+    partial = run_dir / (NEWEST + ".partial")
+    (run_dir / NEWEST).rename(partial)
+    (partial / manifest.MANIFEST).unlink()
+    (partial / "rank_00007.pt").write_bytes(b"left by a killed save of 8 ranks")
+    tasks.run(make_config(OVER, run_dir=run_dir))
+    assert _losses(run_dir) == _losses(runs["full"])
+    assert not partial.exists()
+    assert "rank_00007.pt" not in manifest.verify(run_dir / NEWEST).manifest["files"]
+
+
 def test_damaged_explicit_checkpoint_stops_with_the_reason(runs, tmp_path):
     run_dir = _copy(runs, tmp_path)
     DAMAGES["zeroed bytes"][0](run_dir / NEWEST)
