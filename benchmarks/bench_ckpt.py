@@ -68,10 +68,10 @@ class _HashClock:
     def __init__(self):
         self.seconds, self._inner = 0.0, manifest.digest_files
 
-    def __call__(self, directory, names):
+    def __call__(self, directory, *, names):
         t0 = time.perf_counter()
         try:
-            return self._inner(directory, names)
+            return self._inner(directory, names=names)
         finally:
             self.seconds += time.perf_counter() - t0
 

@@ -49,7 +49,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 # -- choosing a checkpoint ---------------------------------------------------------------------
-def _log_skipped(run_dir: Path, skipped: list[tuple[Path, str]]) -> None:
+def _log_skipped(run_dir: Path, *, skipped: list[tuple[Path, str]]) -> None:
     for path, reason in skipped:
         log.warning("skipping %s: %s", path.relative_to(run_dir), reason)
 
@@ -59,7 +59,7 @@ def latest_complete(run_dir: Path) -> Path | None:
     checkpoint skipped. Local (not collective): to have every rank use one checkpoint, call
     `agreed_latest` (or pass the path to `load`, which verifies on rank 0 for everyone)."""
     found, skipped = catalog.scan(Path(run_dir))
-    _log_skipped(Path(run_dir), skipped)
+    _log_skipped(Path(run_dir), skipped=skipped)
     return found.path if found is not None else None
 
 
@@ -71,7 +71,7 @@ def agreed_latest(run_dir: Path) -> Verified | None:
 
     def pick() -> Verified | None:
         found, skipped = catalog.scan(run_dir)
-        _log_skipped(run_dir, skipped)
+        _log_skipped(run_dir, skipped=skipped)
         if found is None and skipped:
             raise ValueError(
                 f"none of the {len(skipped)} checkpoints in {run_dir / 'checkpoints'} verifies "
@@ -128,7 +128,7 @@ def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     full = ckpt_layout.to_full(model, {"model": model_sd, "optim": optim_sd})  # tp: collective
     dcp.save(full, checkpoint_id=str(partial))
     torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
-    digests = manifest.digest_files(partial, _written_by(partial, rank))
+    digests = manifest.digest_files(partial, names=_written_by(partial, rank=rank))
     gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(digests, gathered, dst=0)
     if rank == 0:
@@ -142,7 +142,7 @@ def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state()}
 
 
-def _written_by(directory: Path, rank: int) -> list[str]:
+def _written_by(directory: Path, *, rank: int) -> list[str]:
     """The files this rank wrote, by DCP's and our naming (`__<rank>_<i>.distcp`, rank 0's
     `.metadata`, `rank_<rank>.pt`). Rank 0 hashes whatever no rank claims, so a change in
     DCP's naming costs speed, never correctness."""
@@ -157,13 +157,14 @@ def _seal(partial: Path, path: Path, *, digests: list[dict], train_state: dict[s
     manifest.json over every file, then the rename that makes the checkpoint visible."""
     (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
     files = {name: entry for d in digests for name, entry in d.items()}
-    files.update(manifest.digest_files(partial, sorted(set(os.listdir(partial)) - set(files))))
+    unclaimed = sorted(set(os.listdir(partial)) - set(files))  # train_state.json, or renamed
+    files.update(manifest.digest_files(partial, names=unclaimed))
     layout = {k: train_state[k] for k in LAYOUT_KEYS if k in train_state}
     manifest.write(partial, files=files, step=train_state["step"], layout=layout, model=model)
     if path.exists():
         shutil.rmtree(path)
     os.replace(partial, path)
-    catalog.remember(path, None)
+    catalog.remember(path, reason=None)
 
 
 def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -209,8 +210,8 @@ def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
     verified = checkpoint if isinstance(checkpoint, Verified) else agreed_verified(checkpoint)
     path = verified.path
     if model_config is not None:
-        _refuse_other_shape(verified, model_config)
-    rank_state = _agreed(path, lambda: _read_rank_state(path))
+        _refuse_other_shape(verified, model=model_config)
+    rank_state = _agreed(path, read=lambda: _read_rank_state(path))
     model_sd, optim_sd = _state_dicts(model, optimizer)
     engine = getattr(optimizer, "engine", None)
     if engine is not None:
@@ -230,8 +231,8 @@ def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
     return train_state, rank_state
 
 
-def _refuse_other_shape(verified: Verified, model: ModelConfig) -> None:
-    diff = manifest.shape_mismatch(verified.manifest, model)
+def _refuse_other_shape(verified: Verified, *, model: ModelConfig) -> None:
+    diff = manifest.shape_mismatch(verified.manifest, model=model)
     if diff:
         raise ValueError(
             f"checkpoint {verified.path} holds another model shape ({'; '.join(diff)}): set "
@@ -248,11 +249,11 @@ def _read_rank_state(path: Path) -> dict[str, Any]:
     return torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=True)
 
 
-def _agreed(path: Path, fn: Callable[[], T]) -> T:
-    """Collective: `fn()` on every rank; if it failed on any, every rank raises one
+def _agreed(path: Path, *, read: Callable[[], T]) -> T:
+    """Collective: `read()` on every rank; if it failed on any, every rank raises one
     ValueError naming the first failing rank (no rank is left waiting in a collective)."""
     try:
-        value, error = fn(), None
+        value, error = read(), None
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         value, error = None, f"{type(err).__name__}: {_reason(err)}"
     errors: list[Any] = [None] * dist.get_world_size()

@@ -45,9 +45,9 @@ def verify(path: Path) -> Verified:
             raise Unverified(f"{manifest.MANIFEST} says step {found.step}, the directory's "
                              f"name step {int(named[1])}")
     except Unverified as err:
-        remember(path, str(err))
+        remember(path, reason=str(err))
         raise
-    remember(path, None)
+    remember(path, reason=None)
     return found
 
 
@@ -63,7 +63,7 @@ def scan(run_dir: Path) -> tuple[Verified | None, list[tuple[Path, str]]]:
     return None, skipped
 
 
-def remember(path: Path, reason: str | None) -> None:
+def remember(path: Path, *, reason: str | None) -> None:
     """Record the outcome of a verification (None: verified) against the files' stat."""
     try:
         _seen[Path(path).resolve()] = (_signature(path), reason)

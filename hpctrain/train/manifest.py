@@ -58,7 +58,7 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": size, "sha256": h.hexdigest()}
 
 
-def digest_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+def digest_files(directory: Path, *, names: list[str]) -> dict[str, dict[str, Any]]:
     return {name: file_digest(Path(directory) / name) for name in sorted(names)}
 
 
@@ -139,7 +139,7 @@ def _check_listing(directory: Path, files: dict[str, Any]) -> None:
         raise Unverified(f"file {extra[0]} is not in {MANIFEST} (written after the save?)")
 
 
-def shape_mismatch(manifest: dict[str, Any], model: ModelConfig) -> list[str]:
+def shape_mismatch(manifest: dict[str, Any], *, model: ModelConfig) -> list[str]:
     """`model.<key>=<saved> in the checkpoint, <now> in this run` for each shape key that
     differs; [] when the shapes agree or the manifest records no model."""
     saved = manifest.get("model")

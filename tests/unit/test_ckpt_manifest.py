@@ -26,7 +26,7 @@ def fake_checkpoint(directory: Path, *, step: int = 3) -> Path:
     directory.mkdir(parents=True)
     for name, data in FILES.items():
         (directory / name).write_bytes(data)
-    files = manifest.digest_files(directory, list(FILES))
+    files = manifest.digest_files(directory, names=list(FILES))
     manifest.write(directory, files=files, step=step, layout={"dp": 1}, model=MODEL)
     return directory
 
@@ -93,10 +93,10 @@ def test_every_tampering_is_named(tmp_path, tamper):
 
 def test_shape_mismatch_names_only_shape_keys():
     saved = {"model": {**MODEL.__dict__}}
-    assert manifest.shape_mismatch(saved, MODEL) == []
-    assert manifest.shape_mismatch({"model": None}, MODEL) == []
+    assert manifest.shape_mismatch(saved, model=MODEL) == []
+    assert manifest.shape_mismatch({"model": None}, model=MODEL) == []
     other = MODEL.with_(n_layers=4, rope_theta=5.0, name="x")
-    assert manifest.shape_mismatch(saved, other) == [
+    assert manifest.shape_mismatch(saved, model=other) == [
         "model.n_layers=2 in the checkpoint, 4 in this run"]
 
 
