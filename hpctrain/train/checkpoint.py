@@ -262,8 +262,8 @@ def _agreed(path: Path, *, read: Callable[[], T]) -> T:
         if err is not None:
             raise ValueError(
                 f"checkpoint {path} verifies but rank {rank} refused to load it ({err}): "
-                "hpctrain never writes such content, so its files were changed together with "
-                f"{manifest.MANIFEST}; {_FIX}")
+                "hpctrain's saves never hold such content, so its files were changed along "
+                f"with {manifest.MANIFEST} (or written by an incompatible torch); {_FIX}")
     return value
 
 
