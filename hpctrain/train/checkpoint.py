@@ -10,9 +10,10 @@ sha256 of every other file, layout, model shape — see `manifest`). Ranks write
 renames the directory. Only a renamed directory whose manifest verifies is a checkpoint, so a
 crash mid-save, a damaged file or a checkpoint of an older hpctrain is never loaded.
 
-Choosing what to resume from is decided on rank 0 and broadcast, so every rank loads the same
-checkpoint; files are unpickled only after verification, and only with restricted unpicklers
-(`safe_dcp`, `weights_only=True`).
+Verification is collective when resuming: rank 0 checks the manifest, every rank hashes a share
+of the files and all ranks see every outcome, so every rank loads the same checkpoint. Files are
+unpickled only after verification, and only with restricted unpicklers (`safe_dcp`,
+`weights_only=True`).
 """
 
 from __future__ import annotations
@@ -56,42 +57,80 @@ def _log_skipped(run_dir: Path, *, skipped: list[tuple[Path, str]]) -> None:
 
 def latest_complete(run_dir: Path) -> Path | None:
     """The newest *verified* checkpoint under `run_dir`, or None; logs one line per newer
-    checkpoint skipped. Local (not collective): to have every rank use one checkpoint, call
-    `agreed_latest` (or pass the path to `load`, which verifies on rank 0 for everyone)."""
+    checkpoint skipped. Local (not collective; this process hashes every file): to have every
+    rank use one checkpoint, call `agreed_latest` (or pass the path to `load`, which verifies
+    collectively)."""
     found, skipped = catalog.scan(Path(run_dir))
     _log_skipped(Path(run_dir), skipped=skipped)
     return found.path if found is not None else None
 
 
 def agreed_latest(run_dir: Path) -> Verified | None:
-    """Collective: the newest verified checkpoint as chosen by rank 0, the same on every rank;
-    None when there is none. Checkpoints exist but none verifies: ValueError on every rank
-    (starting over silently would discard the run's progress)."""
+    """Collective: the newest checkpoint that verifies (`agreed_check`), the same on every
+    rank; None when there is none. Rank 0 logs each newer one skipped. Checkpoints exist but
+    none verifies: ValueError on every rank (starting over silently would discard the run's
+    progress)."""
     run_dir = Path(run_dir)
-
-    def pick() -> Verified | None:
-        found, skipped = catalog.scan(run_dir)
+    names = _from_rank0(lambda: [p.name for p in catalog.candidates(run_dir)])
+    skipped: list[tuple[Path, str]] = []
+    for name in names:
+        path = run_dir / "checkpoints" / name
+        try:
+            found = agreed_check(path)
+            break
+        except Unverified as err:
+            skipped.append((path, str(err)))
+    else:
+        found = None
+    if dist.get_rank() == 0:
         _log_skipped(run_dir, skipped=skipped)
-        if found is None and skipped:
-            raise ValueError(
-                f"none of the {len(skipped)} checkpoints in {run_dir / 'checkpoints'} verifies "
-                "(reasons logged above): start over with train.resume=never (they are kept), "
-                "or use another run directory")
-        return found
-
-    return _from_rank0(pick)
+    if found is None and skipped:
+        raise ValueError(
+            f"none of the {len(skipped)} checkpoints in {run_dir / 'checkpoints'} verifies "
+            "(reasons logged above): start over with train.resume=never (they are kept), "
+            "or use another run directory")
+    return found
 
 
 def agreed_verified(path: Path) -> Verified:
-    """Collective: `path` verified on rank 0, the same answer on every rank; ValueError
-    everywhere, naming the reason, when it does not verify."""
-    def check() -> Verified:
-        try:
-            return catalog.verify(Path(path))
-        except Unverified as err:
-            raise ValueError(f"checkpoint {path} does not verify: {err}: {_FIX}") from None
+    """Collective: `path` verified (`agreed_check`); ValueError on every rank, naming the
+    reason, when it does not verify."""
+    try:
+        return agreed_check(Path(path))
+    except Unverified as err:
+        raise ValueError(f"checkpoint {path} does not verify: {err}: {_FIX}") from None
 
-    return _from_rank0(check)
+
+def agreed_check(path: Path) -> Verified:
+    """Collective verification with one outcome on every rank: rank 0 checks the manifest,
+    listing and sizes and broadcasts the manifest; each rank hashes its share of the files
+    (`manifest.shares`, balanced by size); every rank's outcome is all-gathered, so all raise
+    the same `Unverified` or return the same `Verified`. Nothing is unpickled."""
+    head = _from_rank0(lambda: _layout_or_reason(path))
+    if isinstance(head, str):
+        raise Unverified(head)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        manifest.check_digests(path, head, names=manifest.shares(head["files"], world=world)[rank])
+        mine = None
+    except Unverified as err:
+        mine = str(err)
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, mine)
+    reason = next((o for o in outcomes if o is not None), None)
+    if rank == 0:
+        catalog.remember(path, reason=reason)
+    if reason is not None:
+        raise Unverified(reason)
+    return Verified(Path(path), head)
+
+
+def _layout_or_reason(path: Path) -> dict[str, Any] | str:
+    try:
+        return catalog.check_layout(path)
+    except Unverified as err:
+        catalog.remember(path, reason=str(err))
+        return str(err)
 
 
 def _from_rank0(fn: Callable[[], T]) -> T:
@@ -202,7 +241,7 @@ def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer, model_config: ModelConfig | None = None
          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: load model and optimizer in place; returns (train_state, this rank's
-    rank_state). A Path is verified first (on rank 0, for every rank); nothing in the
+    rank_state). A Path is verified first (`agreed_check`); nothing in the
     directory is read before that. With `model_config`, a checkpoint of another model shape
     is refused (ValueError) before any tensor is read; another dp/tp/pp/zero layout is
     resharded. A rank that has no file of its own (the world grew) takes rank 0's RNG state.

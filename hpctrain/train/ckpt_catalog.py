@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from hpctrain.train import manifest
 from hpctrain.train.manifest import Unverified, Verified
@@ -39,16 +40,23 @@ def verify(path: Path) -> Verified:
     """`manifest.verify` plus the step in the directory's name; raises `Unverified`."""
     path = Path(path)
     try:
-        found = manifest.verify(path)
-        named = NAME.match(path.name)
-        if named and int(named[1]) != found.step:
-            raise Unverified(f"{manifest.MANIFEST} says step {found.step}, the directory's "
-                             f"name step {int(named[1])}")
+        body = check_layout(path)
+        manifest.check_digests(path, body, names=sorted(body["files"]))
     except Unverified as err:
         remember(path, reason=str(err))
         raise
     remember(path, reason=None)
-    return found
+    return Verified(path, body)
+
+
+def check_layout(path: Path) -> dict[str, Any]:
+    """`manifest.check_layout` (no hashing) plus the step in the directory's name."""
+    body = manifest.check_layout(path)
+    named = NAME.match(Path(path).name)
+    if named and int(named[1]) != body["step"]:
+        raise Unverified(f"{manifest.MANIFEST} says step {body['step']}, the directory's "
+                         f"name step {int(named[1])}")
+    return body
 
 
 def scan(run_dir: Path) -> tuple[Verified | None, list[tuple[Path, str]]]:

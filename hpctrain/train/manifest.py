@@ -82,22 +82,52 @@ def verify(directory: Path) -> Verified:
     """Check every file of `directory` against its manifest: present, listed, same size and
     sha256. Raises `Unverified` with the first problem found (sizes are compared before any
     file is hashed, so a truncated or missing file is reported without reading the rest)."""
+    body = check_layout(directory)
+    check_digests(directory, body, names=sorted(body["files"]))
+    return Verified(Path(directory), body)
+
+
+def check_layout(directory: Path) -> dict[str, Any]:
+    """Everything but the hashes: the manifest parses, lists the required files, and the
+    directory holds exactly its files at their sizes. Returns the manifest."""
     directory = Path(directory)
-    body = _read_manifest(directory)
-    files = body["files"]
-    for name in _REQUIRED:
-        if name not in files:
-            raise Unverified(f"{MANIFEST} lists no {name}")
-    _check_listing(directory, files)
-    for name, entry in files.items():
-        size = (directory / name).stat().st_size
-        if size != entry["size"]:
-            raise Unverified(f"file {name} has {size} bytes, {MANIFEST} says {entry['size']} "
-                             "(truncated or overwritten)")
-    for name, entry in files.items():
-        if file_digest(directory / name)["sha256"] != entry["sha256"]:
+    try:
+        body = _read_manifest(directory)
+        files = body["files"]
+        for name in _REQUIRED:
+            if name not in files:
+                raise Unverified(f"{MANIFEST} lists no {name}")
+        _check_listing(directory, files)
+        for name, entry in files.items():
+            size = (directory / name).stat().st_size
+            if size != entry["size"]:
+                raise Unverified(f"file {name} has {size} bytes, {MANIFEST} says "
+                                 f"{entry['size']} (truncated or overwritten)")
+    except OSError as err:
+        raise Unverified(f"cannot read {err.filename}: {err.strerror}") from None
+    return body
+
+
+def check_digests(directory: Path, body: dict[str, Any], *, names: list[str]) -> None:
+    """Hash `names` (files listed in `body`) and compare; raises `Unverified` on a mismatch."""
+    for name in names:
+        try:
+            digest = file_digest(Path(directory) / name)["sha256"]
+        except OSError as err:
+            raise Unverified(f"cannot read {name}: {err.strerror}") from None
+        if digest != body["files"][name]["sha256"]:
             raise Unverified(f"file {name} sha256 mismatch (its bytes changed after the save)")
-    return Verified(directory, body)
+
+
+def shares(files: dict[str, dict[str, Any]], *, world: int) -> list[list[str]]:
+    """Split the files over `world` ranks for hashing, balanced by size (largest first to
+    the least loaded rank; ties by name): a pure function, so every rank computes the same."""
+    load, out = [0] * world, [[] for _ in range(world)]
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += files[name]["size"]
+        out[r].append(name)
+    return out
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:

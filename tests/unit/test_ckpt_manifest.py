@@ -150,3 +150,14 @@ def test_prune_notices_damage_done_after_it_last_looked(tmp_path):
     fake_checkpoint(root / "step_00000004", step=4)
     catalog.prune(root, keep=1, newest=root / "step_00000004")
     assert _steps(root) == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+def test_shares_cover_every_file_once_balanced_by_size():
+    files = {n: {"size": s, "sha256": ""} for n, s in
+             [("a", 100), ("b", 90), ("c", 10), ("d", 5), ("e", 5), ("f", 0)]}
+    parts = manifest.shares(files, world=2)
+    assert sorted(n for part in parts for n in part) == sorted(files)
+    loads = [sum(files[n]["size"] for n in part) for part in parts]
+    assert loads == [105, 105]
+    assert manifest.shares(files, world=4) == [["a"], ["b"], ["c", "f"], ["d", "e"]]
+    assert manifest.shares(files, world=1) == [["a", "b", "c", "d", "e", "f"]]
