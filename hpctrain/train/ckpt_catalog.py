@@ -1,6 +1,6 @@
 """The checkpoints of one run directory: which verify, which is the newest good one, which to
-delete. Everything here is local to the calling process (no collectives); checkpoint.py decides
-on rank 0 and broadcasts.
+delete. Everything here is local to the calling process (no collectives); checkpoint.py builds
+the collective decision (one outcome on every rank) from `check_layout` and hashed shares.
 
 Verification hashes every file, so its outcome is remembered per directory together with a
 stat signature of its files (name, size, mtime, inode): pruning after each save then hashes
