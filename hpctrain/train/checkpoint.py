@@ -1,68 +1,209 @@
-"""Sharded checkpoints in torch.distributed.checkpoint (DCP) format, written atomically.
+"""Sharded checkpoints in torch.distributed.checkpoint (DCP) format: written atomically,
+verified before anything in them is read, pruned without losing the last good one.
 
 A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/`: DCP shards of the model and optimizer
 (keyed by fully qualified parameter names and holding full, not tp-sliced, tensors — see
-`ckpt_layout` — so a later tp/pp layout can load them), one
-`rank_XXXXX.pt` per rank (RNG and loss-scaler state) and `train_state.json` (step, layout).
-Ranks write into `step_XXXXXXXX.partial/`; after a barrier rank 0 writes `train_state.json`
-and renames the directory. Only renamed directories are complete, so a crash mid-save is
-never mistaken for a checkpoint.
+`ckpt_layout` — so a later dp/tp/pp/zero layout can load them), one `rank_XXXXX.pt` per rank
+(RNG and loss-scaler state), `train_state.json` (step, layout) and `manifest.json` (size and
+sha256 of every other file, layout, model shape — see `manifest`). Ranks write into
+`step_XXXXXXXX.partial/` and hash the files they wrote; rank 0 writes the manifest last and
+renames the directory. Only a renamed directory whose manifest verifies is a checkpoint, so a
+crash mid-save, a damaged file or a checkpoint of an older hpctrain is never loaded.
+
+Verification is collective when resuming: rank 0 checks the manifest, every rank hashes a share
+of the files and all ranks see every outcome, so every rank loads the same checkpoint. Files are
+unpickled only after verification, and only with restricted unpicklers (`safe_dcp`,
+`weights_only=True`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hpctrain.train import ckpt_layout
+from hpctrain.models.config import ModelConfig
+from hpctrain.train import ckpt_catalog as catalog
+from hpctrain.train import ckpt_layout, manifest, safe_dcp
+from hpctrain.train.manifest import Unverified, Verified
 
-_NAME = re.compile(r"^step_(\d{8})$")
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "zero")
+_FIX = ("resume from another checkpoint (train.resume=<dir>; train.resume=auto picks the "
+        "newest that verifies) or start over with train.resume=never")
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
+# -- choosing a checkpoint ---------------------------------------------------------------------
+def _log_skipped(run_dir: Path, *, skipped: list[tuple[Path, str]]) -> None:
+    for path, reason in skipped:
+        log.warning("skipping %s: %s", path.relative_to(run_dir), reason)
+
+
 def latest_complete(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint under `run_dir`, or None."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "train_state.json").exists()]
-    return max(done, key=lambda p: p.name, default=None)
+    """The newest *verified* checkpoint under `run_dir`, or None; logs one line per newer
+    checkpoint skipped. Local (not collective; this process hashes every file): to have every
+    rank use one checkpoint, call `agreed_latest` (or pass the path to `load`, which verifies
+    collectively)."""
+    found, skipped = catalog.scan(Path(run_dir))
+    _log_skipped(Path(run_dir), skipped=skipped)
+    return found.path if found is not None else None
+
+
+def agreed_latest(run_dir: Path) -> Verified | None:
+    """Collective: the newest checkpoint that verifies (`agreed_check`), the same on every
+    rank; None when there is none. Rank 0 logs each newer one skipped. Checkpoints exist but
+    none verifies: ValueError on every rank (starting over silently would discard the run's
+    progress)."""
+    run_dir = Path(run_dir)
+    names = _from_rank0(lambda: [p.name for p in catalog.candidates(run_dir)])
+    skipped: list[tuple[Path, str]] = []
+    for name in names:
+        path = run_dir / "checkpoints" / name
+        try:
+            found = agreed_check(path)
+            break
+        except Unverified as err:
+            skipped.append((path, str(err)))
+    else:
+        found = None
+    if dist.get_rank() == 0:
+        _log_skipped(run_dir, skipped=skipped)
+    if found is None and skipped:
+        raise ValueError(
+            f"none of the {len(skipped)} checkpoints in {run_dir / 'checkpoints'} verifies "
+            "(reasons logged above): start over with train.resume=never (they are kept), "
+            "or use another run directory")
+    return found
+
+
+def agreed_verified(path: Path) -> Verified:
+    """Collective: `path` verified (`agreed_check`); ValueError on every rank, naming the
+    reason, when it does not verify."""
+    try:
+        return agreed_check(Path(path))
+    except Unverified as err:
+        raise ValueError(f"checkpoint {path} does not verify: {err}: {_FIX}") from None
+
+
+def agreed_check(path: Path) -> Verified:
+    """Collective verification with one outcome on every rank: rank 0 checks the manifest,
+    listing and sizes and broadcasts the manifest; each rank hashes its share of the files
+    (`manifest.shares`, balanced by size); every rank's outcome is all-gathered, so all raise
+    the same `Unverified` or return the same `Verified`. Nothing is unpickled."""
+    head = _from_rank0(lambda: _layout_or_reason(path))
+    if isinstance(head, str):
+        raise Unverified(head)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        manifest.check_digests(path, head, names=manifest.shares(head["files"], world=world)[rank])
+        mine = None
+    except Unverified as err:
+        mine = str(err)
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, mine)
+    reason = next((o for o in outcomes if o is not None), None)
+    if rank == 0:
+        catalog.remember(path, reason=reason)
+    if reason is not None:
+        raise Unverified(reason)
+    return Verified(Path(path), head)
+
+
+def _layout_or_reason(path: Path) -> dict[str, Any] | str:
+    try:
+        return catalog.check_layout(path)
+    except Unverified as err:
+        catalog.remember(path, reason=str(err))
+        return str(err)
+
+
+def _from_rank0(fn: Callable[[], T]) -> T:
+    """Collective over the world: rank 0 runs `fn`, every rank returns its result or raises
+    its error (a ValueError keeps its type and message)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - the others must hear of any failure
+            box[0] = ("value" if isinstance(err, ValueError) else "other", str(err))
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "ok":
+        return value
+    raise ValueError(value) if kind == "value" else RuntimeError(f"rank 0: {value}")
+
+
+# -- saving ------------------------------------------------------------------------------------
+def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any], rank_state: dict[str, Any],
+         model_config: ModelConfig | None = None, keep: int = 2) -> Path:
+    """Collective: every rank calls it at the same step. `train_state` holds "step" and the
+    layout (dp/tp/pp/zero); `model_config` is recorded so another model shape is refused on
+    load. `keep` > 0 verified checkpoints are kept (see `ckpt_catalog.prune`), 0 keeps all."""
+    rank = dist.get_rank()
+    partial = path.with_name(path.name + ".partial")
+    if rank == 0:  # a killed save's leftovers must not end up in this one's manifest
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = _state_dicts(model, optimizer)
+    full = ckpt_layout.to_full(model, {"model": model_sd, "optim": optim_sd})  # tp: collective
+    dcp.save(full, checkpoint_id=str(partial))
+    torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
+    digests = manifest.digest_files(partial, names=_written_by(partial, rank=rank))
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(digests, gathered, dst=0)
+    if rank == 0:
+        _seal(partial, path, digests=gathered, train_state=train_state, model=model_config)
+        catalog.prune(path.parent, keep=keep, newest=path)
+    dist.barrier()
+    return path
 
 
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state()}
 
 
-def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any], rank_state: dict[str, Any], keep: int = 2) -> Path:
-    """Collective: every rank calls it at the same step."""
-    rank = dist.get_rank()
-    partial = path.with_name(path.name + ".partial")
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    full = ckpt_layout.to_full(model, {"model": model_sd, "optim": optim_sd})  # tp: collective
-    dcp.save(full, checkpoint_id=str(partial))
-    torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(partial, path)
-        _prune(path.parent, keep=keep)
-    dist.barrier()
-    return path
+def _written_by(directory: Path, *, rank: int) -> list[str]:
+    """The files this rank wrote, by DCP's and our naming (`__<rank>_<i>.distcp`, rank 0's
+    `.metadata`, `rank_<rank>.pt`). Rank 0 hashes whatever no rank claims, so a change in
+    DCP's naming costs speed, never correctness."""
+    own = re.compile(rf"^__{rank}_\d+\.distcp$")
+    mine = {f"rank_{rank:05d}.pt", *([".metadata"] if rank == 0 else [])}
+    return [n for n in os.listdir(directory) if n in mine or own.match(n)]
+
+
+def _seal(partial: Path, path: Path, *, digests: list[dict], train_state: dict[str, Any],
+          model: ModelConfig | None) -> None:
+    """Rank 0, after every rank's files are written and hashed: train_state.json, then
+    manifest.json over every file, then the rename that makes the checkpoint visible."""
+    (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
+    files = {name: entry for d in digests for name, entry in d.items()}
+    unclaimed = sorted(set(os.listdir(partial)) - set(files))  # train_state.json, or renamed
+    files.update(manifest.digest_files(partial, names=unclaimed))
+    layout = {k: train_state[k] for k in LAYOUT_KEYS if k in train_state}
+    manifest.write(partial, files=files, step=train_state["step"], layout=layout, model=model)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(partial, path)
+    catalog.remember(path, reason=None)
 
 
 def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -82,7 +223,7 @@ def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
     checkpoints do not carry them, and a different layout has other groups anyway."""
     state = ckpt_layout.full_template(model, current)
     groups = state["optim"].pop("param_groups", None)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     if groups is not None:
         state["optim"]["param_groups"] = groups
     state = ckpt_layout.to_local(model, state, current=current)
@@ -90,18 +231,26 @@ def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
                    optim_state_dict=state["optim"])
 
 
-def _prune(root: Path, *, keep: int) -> None:
-    done = sorted(p for p in root.iterdir() if _NAME.match(p.name))
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    dcp.load(state, storage_reader=safe_dcp.SafeReader(str(path)),
+             planner=safe_dcp.SafePlanner())
 
 
-def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+# -- loading -----------------------------------------------------------------------------------
+def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, model_config: ModelConfig | None = None
          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load model and optimizer in place; returns (train_state, this rank's rank_state).
-
-    A rank that has no file of its own (the world grew) takes rank 0's RNG state.
+    """Collective: load model and optimizer in place; returns (train_state, this rank's
+    rank_state). A Path is verified first (`agreed_check`); nothing in the
+    directory is read before that. With `model_config`, a checkpoint of another model shape
+    is refused (ValueError) before any tensor is read; another dp/tp/pp/zero layout is
+    resharded. A rank that has no file of its own (the world grew) takes rank 0's RNG state.
     """
+    verified = checkpoint if isinstance(checkpoint, Verified) else agreed_verified(checkpoint)
+    path = verified.path
+    if model_config is not None:
+        _refuse_other_shape(verified, model=model_config)
+    rank_state = _agreed(path, read=lambda: _read_rank_state(path))
     model_sd, optim_sd = _state_dicts(model, optimizer)
     engine = getattr(optimizer, "engine", None)
     if engine is not None:
@@ -111,13 +260,57 @@ def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
         state = ckpt_layout.full_template(model, {"model": model_sd, "optim": optim_sd})
         state["optim"].pop("param_groups", None)
-        dcp.load(state, checkpoint_id=str(path))
+        _dcp_load(state, path)
         state = ckpt_layout.to_local(model, state, current={})
         load_full_state(engine, state["model"], state["optim"])
     else:
         _load_replicated_or_tp(path, model, optimizer, {"model": model_sd, "optim": optim_sd})
     train_state = json.loads((path / "train_state.json").read_text())
-    own = path / f"rank_{dist.get_rank():05d}.pt"
-    rank_state = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=False)
     torch.set_rng_state(rank_state["rng"]["torch"])
     return train_state, rank_state
+
+
+def _refuse_other_shape(verified: Verified, *, model: ModelConfig) -> None:
+    diff = manifest.shape_mismatch(verified.manifest, model=model)
+    if diff:
+        raise ValueError(
+            f"checkpoint {verified.path} holds another model shape ({'; '.join(diff)}): set "
+            "the model back to the checkpoint's, start over with train.resume=never, or use "
+            "another run directory (hydra.run.dir=...). A different parallel.dp/tp/pp/zero "
+            "needs nothing: checkpoints are resharded on load")
+
+
+def _read_rank_state(path: Path) -> dict[str, Any]:
+    """This rank's RNG/scaler file (weights_only: plain data and tensors, never code), after
+    checking DCP's index the same way (`safe_dcp`) so that both fail here, agreed."""
+    safe_dcp.read_metadata(path)
+    own = path / f"rank_{dist.get_rank():05d}.pt"
+    return torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=True)
+
+
+def _agreed(path: Path, *, read: Callable[[], T]) -> T:
+    """Collective: `read()` on every rank; if it failed on any, every rank raises one
+    ValueError naming the first failing rank (no rank is left waiting in a collective)."""
+    try:
+        value, error = read(), None
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        value, error = None, f"{type(err).__name__}: {_reason(err)}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise ValueError(
+                f"checkpoint {path} verifies but rank {rank} refused to load it ({err}): "
+                "hpctrain's saves never hold such content, so its files were changed along "
+                f"with {manifest.MANIFEST} (or written by an incompatible torch); {_FIX}")
+    return value
+
+
+def _reason(err: Exception) -> str:
+    """The gist of a loader's error: torch's weights_only message is a page that ends in the
+    actual refusal (and advises weights_only=False, which is exactly what must not happen)."""
+    text = str(err)
+    refused = re.search(r"Unsupported (global: GLOBAL \S+|operand \S+)", text)
+    if refused:
+        return refused[0]
+    return (text.splitlines() or [""])[0][:200]

@@ -100,13 +100,18 @@ class Trainer:
         mode = self.cfg.train.resume
         if mode == "never":
             return
-        path = Path(mode) if mode != "auto" else ckpt.latest_complete(self.run_dir)
-        if path is None:
+        # Chosen and verified on rank 0 for every rank; unverified ones are skipped (auto) or
+        # refused (an explicit directory), another model shape is refused in load.
+        found = (ckpt.agreed_latest(self.run_dir) if mode == "auto"
+                 else ckpt.agreed_verified(Path(mode)))
+        if found is None:
             return
-        train_state, rank_state = ckpt.load(path, model=self.model, optimizer=self.optimizer)
+        train_state, rank_state = ckpt.load(found, model=self.model, optimizer=self.optimizer,
+                                            model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info("resumed from %s at step %d (saved at %s)", found.path, self.step,
+                 " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
 
     def save(self) -> Path:
         p = self.cfg.parallel
@@ -115,7 +120,8 @@ class Trainer:
                  "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
         return ckpt.save(ckpt.checkpoint_dir(self.run_dir, self.step), model=self.model,
                          optimizer=self.optimizer, train_state=state,
-                         rank_state={"scaler": self.scaler.state_dict()})
+                         rank_state={"scaler": self.scaler.state_dict()},
+                         model_config=self.cfg.model)
 
     # -- one step --------------------------------------------------------------------------
     def train_one(self) -> dict[str, Any]:
