@@ -32,6 +32,7 @@ import torch.distributed as dist
 from hpctrain.distributed.comm import Outbox, message_tag, recv
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
+from hpctrain.parallel.pipeline.lowering import forward_only
 from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.train.step import autocast
 
@@ -53,6 +54,7 @@ class _StepState:
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
     outbox: Outbox = field(default_factory=Outbox)
+    train: bool = True  # False: forward only (evaluate), nothing stashed, loss_i unscaled
     loss_sum: torch.Tensor | None = None
     timeline: list = field(default_factory=list)
 
@@ -77,6 +79,7 @@ class PipelineRuntime:
         self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
+        self._eval_actions: dict[int, tuple[Action, ...]] = {}  # n microbatches → F path
 
     def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None
              ) -> PipelineResult:
@@ -87,7 +90,28 @@ class PipelineRuntime:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
         st = _StepState(micro_batches, time.perf_counter() if start is None else start)
-        for item in comm_groups(self.actions) if self.batched else self.actions:
+        self._run(st, comm_groups(self.actions) if self.batched else self.actions)
+        return PipelineResult(st.loss_sum, st.timeline)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
+        """Σ_i loss_i (fp64) over 1..m `micro_batches`, forward only, on the last stage's rank
+        (None elsewhere): the F actions of this rank's lowered list and their sends/receives
+        (`lowering.forward_only`), in the schedule's order; nothing is stashed. The forward-only
+        list runs unbatched: each pair's sends and receives are in the same (microbatch) order,
+        which NCCL's order-matched p2p needs."""
+        n = len(micro_batches)
+        if not 1 <= n <= self.schedule.n_microbatches:
+            raise ValueError(f"evaluate takes 1..{self.schedule.n_microbatches} microbatches, "
+                             f"got {n}: split the eval batches into chunks of at most m")
+        if n not in self._eval_actions:
+            self._eval_actions[n] = forward_only(self.actions, microbatches=n)
+        st = _StepState(micro_batches, time.perf_counter(), train=False)
+        self._run(st, self._eval_actions[n])
+        return st.loss_sum
+
+    def _run(self, st: _StepState, items) -> None:
+        for item in items:
             if isinstance(item, tuple):
                 self._exchange(st, item)
             elif item.kind.is_compute:
@@ -98,7 +122,6 @@ class PipelineRuntime:
                 self._handlers[item.kind](st, item)
         st.outbox.wait_all()
         self._check_drained(st)
-        return PipelineResult(st.loss_sum, st.timeline)
 
     def _check_drained(self, st: _StepState) -> None:
         queued = {s: len(stage.wgrad_queue) for s, stage in self.local.stages.items()}
@@ -119,12 +142,13 @@ class PipelineRuntime:
         with autocast(self.precision, self.device):
             out = stage(x, targets_BL.to(self.device) if stage.is_last else None)
         if stage.is_last:
-            loss = out / self.schedule.n_microbatches
+            loss = out / self.schedule.n_microbatches if st.train else out
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)
             out = loss * self.loss_multiplier
         else:
             st.mail["F", a.stage + 1, a.microbatch] = out.detach()
-        st.inputs[key], st.outputs[key] = x, out
+        if st.train:
+            st.inputs[key], st.outputs[key] = x, out
 
     def _backward(self, st: _StepState, a: Action) -> None:
         stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
