@@ -10,7 +10,8 @@ The order, the split of the backward and the placement of sends and receives all
                 only input gradients (and the non-Linear parameters') are computed now.
   W(s, i)       runs the queued weight gradients of microbatch i.
   BW(s, i)      full backward (nothing deferred).
-  SEND_*/RECV_* tagged isend / blocking recv (hpctrain.distributed.comm) on gloo; on NCCL
+  SEND_*/RECV_* tagged isend (hpctrain.distributed.comm) / wait on an irecv posted when the step
+                began (`_post_recvs`) on gloo; on NCCL
                 (`batched=True`) each run of consecutive SEND/RECV actions is one
                 `batch_isend_irecv` group (hpctrain.parallel.pipeline.batching says why).
                 Received shapes are known: (micro_batch, seq_len, dim) in the params' dtype.
@@ -54,6 +55,7 @@ class _StepState:
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
     outbox: Outbox = field(default_factory=Outbox)
+    posted: dict = field(default_factory=dict)  # message key → (irecv work, buffer), gloo path
     train: bool = True  # False: forward only (evaluate), nothing stashed, loss_i unscaled
     loss_sum: torch.Tensor | None = None
     timeline: list = field(default_factory=list)
@@ -111,6 +113,8 @@ class PipelineRuntime:
         return st.loss_sum
 
     def _run(self, st: _StepState, items) -> None:
+        if not self.batched:  # NCCL serialises p2p on one stream: early recvs would block sends
+            self._post_recvs(st, items)
         for item in items:
             if isinstance(item, tuple):
                 self._exchange(st, item)
@@ -126,6 +130,7 @@ class PipelineRuntime:
     def _check_drained(self, st: _StepState) -> None:
         queued = {s: len(stage.wgrad_queue) for s, stage in self.local.stages.items()}
         left = {"stashed activations": len(st.outputs), "undelivered messages": len(st.mail),
+                "unreceived messages": len(st.posted),
                 "queued weight gradients": sum(queued.values())}
         if any(left.values()):
             raise RuntimeError(f"schedule {self.schedule.name!r} rank {self.pp_rank} ended the "
@@ -184,13 +189,32 @@ class PipelineRuntime:
                           n_stages=self.schedule.n_stages)
         st.outbox.send(tensor, dst=self._peer(peer_stage), tag=tag)
 
+    def _post_recvs(self, st: _StepState, actions) -> None:
+        """Post every receive of the list up front (tagged irecv: each message has its own
+        tag). A message then lands while this rank still computes, not when it reaches the
+        RECV, so the receiver's readiness handshake leaves the critical path (profiled: the
+        blocking recv's post-and-wait was most of the per-hop overhead)."""
+        for a in actions:
+            if a.kind in (K.RECV_F, K.RECV_B):
+                kind, to_stage, peer_stage = self._route(a)
+                tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                                  n_stages=self.schedule.n_stages)
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                work = dist.irecv(buf, src=self._peer(peer_stage), tag=tag)
+                st.posted[kind, to_stage, a.microbatch] = (work, buf)
+
     def _recv(self, st: _StepState, a: Action) -> None:
         kind, to_stage, peer_stage = self._route(a)
-        tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
-                          n_stages=self.schedule.n_stages)
-        st.mail[kind, to_stage, a.microbatch] = recv(
-            self.act_shape, dtype=self.dtype, device=self.device, src=self._peer(peer_stage),
-            tag=tag)
+        key = (kind, to_stage, a.microbatch)
+        if key not in st.posted:  # NCCL's forward-only eval: a blocking recv in list order
+            tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                              n_stages=self.schedule.n_stages)
+            st.mail[key] = recv(self.act_shape, dtype=self.dtype, device=self.device,
+                                src=self._peer(peer_stage), tag=tag)
+            return
+        work, buf = st.posted.pop(key)
+        work.wait()
+        st.mail[key] = buf
 
     def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
         """One batched group of sends and receives; returns when all of them completed."""
