@@ -37,6 +37,13 @@ def test_pp2_tied_matches_single_process(world2, tmp_path, reference, extra):
         _close(run, reference)
 
 
+def test_pp2_tp2_tied_matches_single_process(world4, tmp_path, reference):
+    """The pair groups are per tp coordinate: each vocab shard of E is summed with its own."""
+    runs = world4.run(train_in_world, ["parallel=pp2", "parallel.tp=2", TIED], str(tmp_path))
+    for run in runs:
+        _close(run, reference)
+
+
 def test_pp2_tied_checkpoint_holds_e_once_and_resumes_at_pp1(world2, tmp_path, reference):
     saved = tmp_path / "saved"
     world2.run(train_in_world, ["parallel=pp2", TIED, f"train.stop_after={STOP}"], str(saved))
