@@ -2,7 +2,8 @@
 tied embeddings — loss and grad norm (E counted once) at each step, fp32 — when the embedding and
 head are on different pp ranks (1f1b: gradients summed over the pair group; with ZeRO-1/2 through
 the engine's pre_reduce) and on one rank (zbv: one Parameter). The checkpoint holds E once under
-`tok_embeddings.weight`, and a pp=2 checkpoint resumes at pp=1 on the uninterrupted trajectory."""
+`tok_embeddings.weight`, and a pp=2 checkpoint resumes at pp=1 and pp=2 on the uninterrupted
+trajectory."""
 
 from __future__ import annotations
 
@@ -58,3 +59,6 @@ def test_pp2_tied_checkpoint_holds_e_once_and_resumes_at_pp1(world2, tmp_path, r
     assert not any("output.weight" in k for k in keys)
     pp1 = get_world(1).run(train_in_world, [TIED, f"train.resume={path}"], str(tmp_path / "r"))
     _close(pp1[0], reference[STOP:])
+    pp2 = world2.run(train_in_world, ["parallel=pp2", TIED, f"train.resume={path}"],
+                     str(tmp_path / "r2"))  # torch AdamW path: E read back into both copies
+    _close(pp2[1], reference[STOP:])
