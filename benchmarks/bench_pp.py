@@ -11,8 +11,11 @@ forward_one_chunk / backward_one_chunk / backward_weight_one_chunk.
 
 Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages whose F, B and W sleep
 t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like hpctrain's Linear), so the
-measured bubble is the schedule's, not CPU contention's; compared with simulate(). A 2-chunk
-schedule (interleaved, zbv) gets half the per-chunk cost, so every schedule does the same work.
+measured bubble is the schedule's, not CPU contention's; compared with simulate() twice: at the
+nominal costs with t_comm = 0, and at the costs the run really had (nominal + the measured
+overrun per sleep, t_comm = the measured one-way p2p latency), which separates what the
+runtime adds from what the stages and the transport cost. A 2-chunk schedule (interleaved,
+zbv) gets half the per-chunk cost, so every schedule does the same work.
 
     python benchmarks/bench_pp.py --steps 10
 """
@@ -217,7 +220,49 @@ class SleepLocal(nn.Module):
             self.add_module(f"stage{s}", st)
 
 
+def p2p_one_way(rank: int, act_shape, *, rounds: int = 50) -> float:
+    """Median one-way latency (s) of one activation message between the two ranks, as the
+    runtime sends it on gloo: tagged isend to a receiver whose irecv is already posted
+    (ping-pong RTT / 2)."""
+    from hpctrain.distributed.comm import Outbox
+
+    x, box, rtts = torch.zeros(act_shape), Outbox(), []
+    peer = 1 - rank
+    dist.barrier()
+    for _ in range(rounds):
+        buf = torch.empty(act_shape)
+        work = dist.irecv(buf, src=peer, tag=rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            box.send(x, dst=1, tag=1)
+            work.wait()
+        else:
+            work.wait()
+            box.send(x, dst=0, tag=0)
+        box.wait_all()
+        rtts.append(time.perf_counter() - t0)
+    lat = torch.tensor([median(rtts) / 2])
+    dist.broadcast(lat, src=0)  # rank 0's time is the full round trip
+    return float(lat)
+
+
+def overrun(timelines, t: tuple[float, float, float]) -> float:
+    """Mean (measured − nominal) duration per sleep of the compute actions (both ranks): the
+    stages' real cost beyond t_f/t_b/t_w (sleep overshoot, autograd, descheduling). A BW action
+    sleeps twice (t_b then t_w)."""
+    nominal = {"F": (t[0], 1), "B": (t[1], 1), "W": (t[2], 1), "BW": (t[1] + t[2], 2)}
+    extra = sleeps = 0.0
+    for t0, t1, a in timelines:
+        cost, n = nominal[a.kind.value]
+        extra, sleeps = extra + (t1 - t0 - cost), sleeps + n
+    return extra / sleeps
+
+
 def calibrated(rank: int, args) -> dict:
+    """Each schedule on sleep stages; simulated twice: with the nominal costs (t_comm = 0) and
+    with the costs the stages really took (nominal + measured overrun per sleep, t_comm = the
+    measured one-way p2p latency)."""
     act_shape, out = (1, 4, 8), {}
     runs = {}
     for name in ("1f1b", "zb_h1", "interleaved_1f1b", "zbv"):
@@ -229,7 +274,7 @@ def calibrated(rank: int, args) -> dict:
         runs[name] = (sched, t, PipelineRuntime(lower_comm(sched), local, pp_rank=rank,
                                                 peers=[0, 1], act_shape=act_shape))
     mbs = [(torch.tensor([[i]]), torch.tensor([[i]])) for i in range(args.microbatches)]
-    res = {name: {"bubble": [], "span": []} for name in runs}
+    res = {name: {"bubble": [], "span": [], "timeline": []} for name in runs}
     for r in range(1 + args.sleep_steps):
         for name, (_, _, rt) in runs.items():
             dist.barrier()
@@ -242,11 +287,19 @@ def calibrated(rank: int, args) -> dict:
             if r > 0:
                 res[name]["bubble"].append(b)
                 res[name]["span"].append(max(spans))
+                res[name]["timeline"] += tl
+    t_comm = p2p_one_way(rank, act_shape)
     for name, (sched, t, _) in runs.items():
+        both = [None, None]
+        dist.all_gather_object(both, overrun(res[name]["timeline"], t))
+        over = sum(both) / 2
         sim = simulate(sched, t_f=t[0], t_b=t[1], t_w=t[2], t_comm=0.0)
+        real = simulate(sched, t_f=t[0] + over, t_b=t[1] + over, t_w=t[2] + over, t_comm=t_comm)
         out[name] = {"bubble_measured": median(res[name]["bubble"]),
                      "makespan_measured": median(res[name]["span"]),
                      "bubble_sim": sim.makespan_bubble_rate, "makespan_sim": sim.makespan,
+                     "bubble_sim_real": real.makespan_bubble_rate,
+                     "makespan_sim_real": real.makespan, "overrun": over, "t_comm": t_comm,
                      "bubble_sim_paper": sim.bubble_rate, "t": t}
     return out
 
@@ -289,14 +342,18 @@ def report(res: dict, args) -> str:
               f"t_f={args.t_f * 1e3:.0f} t_b={args.t_b * 1e3:.0f} t_w={args.t_w * 1e3:.0f} ms "
               f"(split over chunks); median of {args.sleep_steps} steps", "",
               "| schedule | per-chunk t_f/t_b/t_w (ms) | measured bubble | simulated bubble | "
-              "measured − sim | measured makespan (ms) | simulated | ratio |",
-              "|---|---|---|---|---|---|---|---|"]
+              "measured / sim | overrun per sleep (ms) | t_comm (ms) | simulated at measured "
+              "costs | measured / sim | measured makespan (ms) | sim | sim at measured costs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cal.items():
         tms = "/".join(f"{x * 1e3:.0f}" for x in c["t"])
         lines.append(f"| {name} | {tms} | {c['bubble_measured']:.4f} | {c['bubble_sim']:.4f} | "
-                     f"{c['bubble_measured'] - c['bubble_sim']:+.4f} | "
+                     f"{c['bubble_measured'] / c['bubble_sim']:.2f} | "
+                     f"{c['overrun'] * 1e3:.3f} | {c['t_comm'] * 1e3:.3f} | "
+                     f"{c['bubble_sim_real']:.4f} | "
+                     f"{c['bubble_measured'] / c['bubble_sim_real']:.2f} | "
                      f"{c['makespan_measured'] * 1e3:.1f} | {c['makespan_sim'] * 1e3:.1f} | "
-                     f"{c['makespan_measured'] / c['makespan_sim']:.3f} |")
+                     f"{c['makespan_sim_real'] * 1e3:.1f} |")
     return "\n".join(lines)
 
 

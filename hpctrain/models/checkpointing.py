@@ -2,31 +2,37 @@
 
 `full` recomputes every block in backward (keeps only block inputs); `selective` recomputes
 just the attention core (the L² part), as in Korthikanti et al. 2022.
+
+The module's own `forward` is wrapped in place (no wrapper module), so parameter names stay the
+full model's (`layers.3.attn.wq.weight`, never `layers.3.inner...`): checkpoints, tensor-parallel
+plans and parity comparisons line up with and without recomputation, at any pipeline layout.
+Recomputation reruns hpctrain's Linear forward inside the backward, so a zero-bubble B action
+that defers weight gradients files closures holding the *recomputed* inputs (see
+hpctrain.ops.linear): the W action needs nothing else.
 """
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+MODES = ("none", "selective", "full")
 
-class Checkpointed(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
 
-    def forward(self, *args):
-        return checkpoint(self.inner, *args, use_reentrant=False)
+def recompute_in_backward(module: nn.Module) -> None:
+    """Make `module(...)` keep only its inputs and rerun its forward during backward."""
+    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap blocks (`full`) or attention cores (`selective`) of `model.layers` in place."""
+    """Checkpoint the blocks (`full`) or attention cores (`selective`) of `model.layers` (a
+    ModuleList, or the ModuleDict of a pipeline rank's stages) in place."""
+    if mode not in MODES:
+        raise ValueError(f"train.activation_checkpointing={mode!r}: use none|selective|full")
     if mode == "none":
         return
-    for i, block in enumerate(model.layers):
-        if mode == "full":
-            model.layers[i] = Checkpointed(block)
-        elif mode == "selective":
-            block.attn.core = Checkpointed(block.attn.core)
-        else:
-            raise ValueError(f"train.activation_checkpointing={mode!r}: use none|selective|full")
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
+        recompute_in_backward(block if mode == "full" else block.attn.core)

@@ -211,10 +211,26 @@ def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     (hpctrain.parallel.data) provides full tensors assembled from its shards."""
     engine = getattr(optimizer, "engine", None)
     if engine is None:
-        return get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        for alias in shared_aliases(model):  # a tied tensor is saved once, as the engine does
+            model_sd.pop(alias, None)
+        return model_sd, optim_sd
     from hpctrain.parallel.data.state import full_model_state, full_optim_state
 
     return full_model_state(engine), full_optim_state(engine)
+
+
+def shared_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Second names of a parameter registered twice (tied embeddings: `output.weight`) → its
+    first name (`tok_embeddings.weight`), the one `named_parameters` and checkpoints use."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
@@ -227,6 +243,8 @@ def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
     if groups is not None:
         state["optim"]["param_groups"] = groups
     state = ckpt_layout.to_local(model, state, current=current)
+    for alias, owner in shared_aliases(model).items():
+        state["model"][alias] = state["model"][owner]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 

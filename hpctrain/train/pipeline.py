@@ -8,8 +8,10 @@ with the pipeline's p2p, and the reduction runs after the schedule on every rank
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
-parameters are summed over the pp group. The loss is known only on ranks holding the last stage
-(the logging rank is one); other ranks report NaN.
+parameters are summed over the pp group. The loss (and eval loss, computed by the runtime's
+forward-only path) is known on the rank holding the last stage — the last pp rank, or pp rank 0
+under a V schedule — and shared from there over the pp group, so the logging rank reports it for
+every schedule.
 
 Measured bubble: before each step the pp group meets at a barrier; each rank records its compute
 actions (perf_counter relative to that start). A rank's bubble is 1 − busy/span, span = the time
@@ -31,17 +33,18 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config import Config
-from hpctrain.distributed.comm import Outbox, message_tag, recv
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
+from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.tensor import TensorParallelPlan, sync_tp_grads
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean, autocast
+from hpctrain.train.step import StepResult, allreduce_mean
 
 Timeline = list[tuple[float, float, Any]]
 
@@ -59,7 +62,16 @@ class PipelineEngine:
         self.local: LocalStages = build_local_stages(
             cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
             seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp).to(mesh.device)
+        # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
+        apply_activation_checkpointing(self.local, t.activation_checkpointing)
         self.tp_plan: TensorParallelPlan | None = self.local.tp_plan
+        s2r = self.schedule.stage_to_rank
+        self.tied: TiedEmbeddings | None = None
+        if cfg.model.tied_embeddings:
+            self.tied = build_tied(self.local, dims=mesh.dims, rank=mesh.rank,
+                                   n_stages=self.schedule.n_stages,
+                                   pp_ranks_apart=s2r[0] != s2r[-1],
+                                   timeout_s=cfg.cluster.timeout_s)
         self.act_shape = stage_act_shape(micro_batch=t.micro_batch_size, seq_len=t.seq_len,
                                          dim=cfg.model.dim, tp=p.tp, sp=p.sp)
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
@@ -76,7 +88,7 @@ class PipelineEngine:
                    grad_clip: float, engine=None) -> tuple[StepResult, dict[str, float]]:
         """One batch through the schedule, then the update: with a data-parallel `engine`
         (ZeRO) its reducer and sharded optimizer, else a flat dp all-reduce and `optimizer`."""
-        pp_group, dp_group = self.mesh.group("pp"), self.mesh.group("dp")
+        pp_group = self.mesh.group("pp")
         multiplier = scaler.loss_multiplier()
         self.runtime.loss_multiplier = multiplier
         dist.barrier(group=pp_group)  # aligned starts make the measured timelines comparable
@@ -93,18 +105,34 @@ class PipelineEngine:
         else:
             norm, skipped = self._update(optimizer, scaler=scaler, multiplier=multiplier,
                                          grad_clip=grad_clip)
-        loss = (result.loss_sum if result.loss_sum is not None
-                else torch.tensor(math.nan, device=self.mesh.device))
-        loss = loss.to(torch.float64).reshape(())
-        allreduce_mean([loss], dp_group)
+        loss = self._reported(result.loss_sum)
         metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
-        return StepResult(float(loss), norm, skipped), metrics
+        return StepResult(loss, norm, skipped), metrics
+
+    def engine_axes(self, axes: dict[str, Any]) -> dict[str, Any]:
+        """The data-parallel engine's `axes` (train.tensor_parallel.engine_axes) plus, with
+        embeddings tied across pp ranks, their gradient sum before the dp reduction
+        (`pre_reduce`) and E counted once in the clip norm (`grad_replicas`)."""
+        tied = self.tied
+        if tied is None or tied.group is None:
+            return axes
+        tp_pre_reduce = axes.get("pre_reduce")
+
+        def pre_reduce() -> None:
+            tied.sum_grads()
+            if tp_pre_reduce is not None:
+                tp_pre_reduce()
+
+        return {**axes, "pre_reduce": pre_reduce,
+                "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
 
     def _update(self, optimizer, *, scaler: LossScaler, multiplier: float,
                 grad_clip: float) -> tuple[float, bool]:
         pp_group = self.mesh.group("pp")
         params = [p for p in self.local.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
+        if self.tied is not None:
+            self.tied.sum_grads()
         if self.tp_plan is not None:
             sync_tp_grads(params, self.tp_plan)
         allreduce_mean(grads, self.mesh.group("dp"))
@@ -116,39 +144,28 @@ class PipelineEngine:
         if not skipped:
             if multiplier != 1.0:
                 torch._foreach_div_(grads, multiplier)
-            norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan)
+            norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan,
+                                    replicas=self.tied.replicas if self.tied else None)
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         return norm, skipped
 
-    @torch.no_grad()
     def eval_loss(self, batches) -> float:
-        """Mean loss over `batches`, forward only, stage by stage in stage order."""
-        losses = [self._eval_one(inputs_BL, targets_BL) for inputs_BL, targets_BL in batches]
-        mean = torch.tensor(math.nan, dtype=torch.float64, device=self.mesh.device)
-        if self.holds_loss:
-            mean = torch.stack(losses).mean()
-        allreduce_mean([mean], self.mesh.group("dp"))
-        return float(mean)
+        """Mean loss over `batches`, forward only through the schedule's own F path
+        (`PipelineRuntime.evaluate`), in chunks of at most m microbatches; the value is shared
+        from the last stage's rank to its pp group (`last_stage_value`), then averaged over dp."""
+        batches, m = list(batches), self.schedule.n_microbatches
+        parts = [self.runtime.evaluate(batches[i:i + m]) for i in range(0, len(batches), m)]
+        return self._reported(torch.stack(parts).sum() / len(batches) if self.holds_loss
+                              else None)
 
-    def _eval_one(self, inputs_BL, targets_BL) -> torch.Tensor | None:
-        dev, s2r, n = self.mesh.device, self.schedule.stage_to_rank, self.schedule.n_stages
-        h, outbox, out = inputs_BL.to(dev), Outbox(), None
-        for s, stage in self.local.stages.items():
-            if s > 0 and s2r[s - 1] != self.pp_rank:
-                h = recv(self.act_shape, dtype=self.runtime.dtype, device=dev,
-                         src=self.peers[s2r[s - 1]],
-                         tag=message_tag("F", stage=s, microbatch=0, n_stages=n))
-            with autocast(self.cfg.train.precision, dev):
-                out = stage(h, targets_BL.to(dev) if stage.is_last else None)
-            if stage.is_last:
-                out = out.double()
-            elif s2r[s + 1] != self.pp_rank:
-                outbox.send(out, dst=self.peers[s2r[s + 1]],
-                            tag=message_tag("F", stage=s + 1, microbatch=0, n_stages=n))
-            h = out
-        outbox.wait_all()
-        return out
+    def _reported(self, value: torch.Tensor | None) -> float:
+        """A last-stage value (None on other ranks) → the same float on every rank of the
+        replica's pp group, averaged over dp."""
+        value = last_stage_value(value, holds=self.holds_loss, group=self.mesh.group("pp"),
+                                 device=self.mesh.device)
+        allreduce_mean([value], self.mesh.group("dp"))
+        return float(value)
 
     def write_timeline(self, run_dir: Path, *, step: int) -> dict[str, str] | None:
         """Gather every pp rank's last measured timeline; the logging rank writes
@@ -163,12 +180,38 @@ class PipelineEngine:
                                     f", step {step}")
 
 
+def last_stage_value(value: torch.Tensor | None, *, holds: bool, group,
+                     device: torch.device) -> torch.Tensor:
+    """The fp64 scalar `value` of the one rank of `group` that holds the last stage (the last
+    pp rank, or pp rank 0 under a V schedule), on every rank of `group`: a sum in which the
+    other ranks contribute 0. A holder without a value (it ran no microbatch) gives NaN."""
+    if holds:
+        out = (value if value is not None else torch.tensor(math.nan)).to(device, torch.float64)
+    else:
+        out = torch.zeros((), dtype=torch.float64, device=device)
+    out = out.reshape(()).clone()
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _merged_replicas(*maps: dict[int, int] | None) -> dict[int, int]:
+    """id(param) → number of ranks holding it identically, over independent axes (a product)."""
+    out: dict[int, int] = {}
+    for m in maps:
+        for k, v in (m or {}).items():
+            out[k] = out.get(k, 1) * v
+    return out
+
+
 def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group,
-                     tp_plan: TensorParallelPlan | None = None) -> float:
+                     tp_plan: TensorParallelPlan | None = None,
+                     replicas: dict[int, int] | None = None) -> float:
     """‖g‖ over all pipeline stages (squared norms summed over `group`) and, with a `tp_plan`,
-    over the unsharded model (each value counted once: ‖g_p‖² / replicas(p), summed over tp);
+    over the unsharded model (each value counted once: ‖g_p‖² / replicas(p), summed over tp;
+    `replicas` adds parameters held by several pp ranks, e.g. tied embeddings);
     scale by max_norm / (‖g‖ + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does."""
-    replicas = tp_plan.replicas if tp_plan is not None else {}
+    replicas = _merged_replicas(tp_plan.replicas if tp_plan is not None else None, replicas)
     sq = torch.stack([p.grad.double().pow(2).sum() / replicas.get(id(p), 1)
                       for p in params]).sum()
     if tp_plan is not None and tp_plan.group is not None:

@@ -66,8 +66,10 @@ class Trainer:
         # shard / pipeline stages. pp with plain DDP keeps torch AdamW and a flat all-reduce.
         self.dp = None
         if self.pipeline is None or _sharded_dp(cfg):
-            self.dp = build_data_parallel(self.model, cfg, mesh,
-                                          **engine_axes(self.model, self.tp_plan, mesh))
+            axes = engine_axes(self.model, self.tp_plan, mesh)
+            if self.pipeline is not None:  # + tied embeddings across stages
+                axes = self.pipeline.engine_axes(axes)
+            self.dp = build_data_parallel(self.model, cfg, mesh, **axes)
             self.optimizer = self.dp.optimizer
         else:
             self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)

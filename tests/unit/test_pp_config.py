@@ -31,8 +31,6 @@ def test_3d_preset_is_accepted_with_and_without_sp():
     (["parallel.schedule=zb_h1", "train.global_batch_size=2"], "microbatches"),
     (["parallel.virtual_stages=2"], "interleaved_1f1b"),
     (["model.n_layers=6", "parallel.schedule=zbv"], "not divisible by the 4 pipeline stages"),
-    (["model.tied_embeddings=true"], "tied_embeddings"),
-    (["train.activation_checkpointing=full"], "activation_checkpointing"),
 ])
 def test_pipeline_mistakes_are_named(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -42,3 +40,13 @@ def test_pipeline_mistakes_are_named(overrides, match):
 def test_timeline_needs_pp():
     with pytest.raises(ValueError, match="parallel.timeline"):
         make_config(["parallel.timeline=true"])
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_accepted_with_pp(mode):
+    assert make_config([*PP2, f"train.activation_checkpointing={mode}"]).parallel.pp == 2
+
+
+def test_zero3_with_pp_refusal_says_why_and_what_to_use():
+    with pytest.raises(ValueError, match=r"all-gathers of the whole stage per step.*zero=1 or 2"):
+        make_config([*PP2, "parallel.zero=3"])

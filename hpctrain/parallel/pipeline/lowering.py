@@ -49,6 +49,14 @@ def lower_comm(schedule: Schedule) -> Schedule:
     return replace(schedule, actions=actions)
 
 
+def forward_only(actions: tuple[Action, ...], *, microbatches: int) -> tuple[Action, ...]:
+    """A rank's lowered list reduced to its forward path (F, SEND_F, RECV_F) for microbatches
+    < `microbatches`: evaluation runs the schedule's own forward order. Dropping actions only
+    removes waits (sends are buffered), so a deadlock-free schedule stays deadlock-free."""
+    keep = (K.F, K.SEND_F, K.RECV_F)
+    return tuple(a for a in actions if a.kind in keep and a.microbatch < microbatches)
+
+
 def message_key(a: Action) -> tuple[str, int, int]:
     """(direction, receiving stage, microbatch): the key shared by a send and its recv."""
     if a.kind is K.SEND_F:

@@ -10,7 +10,8 @@ The order, the split of the backward and the placement of sends and receives all
                 only input gradients (and the non-Linear parameters') are computed now.
   W(s, i)       runs the queued weight gradients of microbatch i.
   BW(s, i)      full backward (nothing deferred).
-  SEND_*/RECV_* tagged isend / blocking recv (hpctrain.distributed.comm) on gloo; on NCCL
+  SEND_*/RECV_* tagged isend (hpctrain.distributed.comm) / wait on an irecv posted when the step
+                began (`_post_recvs`) on gloo; on NCCL
                 (`batched=True`) each run of consecutive SEND/RECV actions is one
                 `batch_isend_irecv` group (hpctrain.parallel.pipeline.batching says why).
                 Received shapes are known: (micro_batch, seq_len, dim) in the params' dtype.
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from hpctrain.distributed.comm import Outbox, message_tag, recv
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
+from hpctrain.parallel.pipeline.lowering import forward_only
 from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.train.step import autocast
 
@@ -53,6 +55,8 @@ class _StepState:
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
     outbox: Outbox = field(default_factory=Outbox)
+    posted: dict = field(default_factory=dict)  # message key → (irecv work, buffer), gloo path
+    train: bool = True  # False: forward only (evaluate), nothing stashed, loss_i unscaled
     loss_sum: torch.Tensor | None = None
     timeline: list = field(default_factory=list)
 
@@ -77,6 +81,7 @@ class PipelineRuntime:
         self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
+        self._eval_actions: dict[int, tuple[Action, ...]] = {}  # n microbatches → F path
 
     def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None
              ) -> PipelineResult:
@@ -87,7 +92,30 @@ class PipelineRuntime:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
         st = _StepState(micro_batches, time.perf_counter() if start is None else start)
-        for item in comm_groups(self.actions) if self.batched else self.actions:
+        self._run(st, comm_groups(self.actions) if self.batched else self.actions)
+        return PipelineResult(st.loss_sum, st.timeline)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
+        """Σ_i loss_i (fp64) over 1..m `micro_batches`, forward only, on the last stage's rank
+        (None elsewhere): the F actions of this rank's lowered list and their sends/receives
+        (`lowering.forward_only`), in the schedule's order; nothing is stashed. The forward-only
+        list runs unbatched: each pair's sends and receives are in the same (microbatch) order,
+        which NCCL's order-matched p2p needs."""
+        n = len(micro_batches)
+        if not 1 <= n <= self.schedule.n_microbatches:
+            raise ValueError(f"evaluate takes 1..{self.schedule.n_microbatches} microbatches, "
+                             f"got {n}: split the eval batches into chunks of at most m")
+        if n not in self._eval_actions:
+            self._eval_actions[n] = forward_only(self.actions, microbatches=n)
+        st = _StepState(micro_batches, time.perf_counter(), train=False)
+        self._run(st, self._eval_actions[n])
+        return st.loss_sum
+
+    def _run(self, st: _StepState, items) -> None:
+        if not self.batched:  # NCCL serialises p2p on one stream: early recvs would block sends
+            self._post_recvs(st, items)
+        for item in items:
             if isinstance(item, tuple):
                 self._exchange(st, item)
             elif item.kind.is_compute:
@@ -98,11 +126,11 @@ class PipelineRuntime:
                 self._handlers[item.kind](st, item)
         st.outbox.wait_all()
         self._check_drained(st)
-        return PipelineResult(st.loss_sum, st.timeline)
 
     def _check_drained(self, st: _StepState) -> None:
         queued = {s: len(stage.wgrad_queue) for s, stage in self.local.stages.items()}
         left = {"stashed activations": len(st.outputs), "undelivered messages": len(st.mail),
+                "unreceived messages": len(st.posted),
                 "queued weight gradients": sum(queued.values())}
         if any(left.values()):
             raise RuntimeError(f"schedule {self.schedule.name!r} rank {self.pp_rank} ended the "
@@ -119,12 +147,13 @@ class PipelineRuntime:
         with autocast(self.precision, self.device):
             out = stage(x, targets_BL.to(self.device) if stage.is_last else None)
         if stage.is_last:
-            loss = out / self.schedule.n_microbatches
+            loss = out / self.schedule.n_microbatches if st.train else out
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)
             out = loss * self.loss_multiplier
         else:
             st.mail["F", a.stage + 1, a.microbatch] = out.detach()
-        st.inputs[key], st.outputs[key] = x, out
+        if st.train:
+            st.inputs[key], st.outputs[key] = x, out
 
     def _backward(self, st: _StepState, a: Action) -> None:
         stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
@@ -160,13 +189,32 @@ class PipelineRuntime:
                           n_stages=self.schedule.n_stages)
         st.outbox.send(tensor, dst=self._peer(peer_stage), tag=tag)
 
+    def _post_recvs(self, st: _StepState, actions) -> None:
+        """Post every receive of the list up front (tagged irecv: each message has its own
+        tag). A message then lands while this rank still computes, not when it reaches the
+        RECV, so the receiver's readiness handshake leaves the critical path (profiled: the
+        blocking recv's post-and-wait was most of the per-hop overhead)."""
+        for a in actions:
+            if a.kind in (K.RECV_F, K.RECV_B):
+                kind, to_stage, peer_stage = self._route(a)
+                tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                                  n_stages=self.schedule.n_stages)
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                work = dist.irecv(buf, src=self._peer(peer_stage), tag=tag)
+                st.posted[kind, to_stage, a.microbatch] = (work, buf)
+
     def _recv(self, st: _StepState, a: Action) -> None:
         kind, to_stage, peer_stage = self._route(a)
-        tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
-                          n_stages=self.schedule.n_stages)
-        st.mail[kind, to_stage, a.microbatch] = recv(
-            self.act_shape, dtype=self.dtype, device=self.device, src=self._peer(peer_stage),
-            tag=tag)
+        key = (kind, to_stage, a.microbatch)
+        if key not in st.posted:  # NCCL's forward-only eval: a blocking recv in list order
+            tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
+                              n_stages=self.schedule.n_stages)
+            st.mail[key] = recv(self.act_shape, dtype=self.dtype, device=self.device,
+                                src=self._peer(peer_stage), tag=tag)
+            return
+        work, buf = st.posted.pop(key)
+        work.wait()
+        st.mail[key] = buf
 
     def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
         """One batched group of sends and receives; returns when all of them completed."""

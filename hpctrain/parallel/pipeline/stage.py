@@ -1,10 +1,12 @@
 """Pipeline stages: the Transformer cut by layer, with the full model's parameter names.
 
 Stage s of S holds layers [s·L/S, (s+1)·L/S); stage 0 also holds `tok_embeddings`, stage S-1 the
-final `norm`, the `output` head and the loss. Blocks are the Transformer's own `Block`s, kept in
-a ModuleDict keyed by their global index, so a stage's parameter names (`layers.5.attn.wq.weight`)
-and — through the name-keyed init — its values equal the single-process model's. Checkpoints and
-comparisons therefore line up across pipeline layouts.
+final `norm`, the `output` head and the loss (with tied embeddings the head is a copy of the
+embedding, or the same Parameter on one rank: hpctrain.parallel.pipeline.tied). Blocks are the
+Transformer's own `Block`s, kept in a ModuleDict keyed by their global index, so a stage's
+parameter names (`layers.5.attn.wq.weight`) and — through the name-keyed init — its values equal
+the single-process model's. Checkpoints and comparisons therefore line up across pipeline
+layouts.
 
 Legend: B micro-batch, L sequence, D model dim, V vocabulary.
 """
@@ -17,11 +19,12 @@ import torch
 from torch import nn
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.init import init_weights
+from hpctrain.models.init import full_init, init_weights
 from hpctrain.models.llama import Block
 from hpctrain.ops.linear import Linear, WeightGradQueue
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import rope_tables
+from hpctrain.parallel.pipeline.tied import HeadAlias, tie_local_stages
 from hpctrain.train.step import lm_loss
 
 
@@ -45,9 +48,6 @@ class PipelineStage(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, stage: int, n_stages: int, seed: int):
         super().__init__()
-        if cfg.tied_embeddings and n_stages > 1:
-            raise ValueError("model.tied_embeddings=true cannot be split across pipeline "
-                             "stages: set model.tied_embeddings=false or parallel.pp=1")
         self.cfg, self.stage, self.n_stages = cfg, stage, n_stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         idx = stage_layers(stage, n_stages=n_stages, n_layers=cfg.n_layers)
@@ -56,6 +56,10 @@ class PipelineStage(nn.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if self.is_last else None
         self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
         init_weights(self, cfg, seed=seed)
+        if cfg.tied_embeddings and self.is_last:  # a copy of E (hpctrain...pipeline.tied)
+            e = full_init("tok_embeddings.weight", self.output.weight.shape, cfg, seed=seed)
+            with torch.no_grad():
+                self.output.weight.copy_(e)
         self.wgrad_queue = WeightGradQueue()
         self.attach_wgrad_queue()
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
@@ -101,6 +105,8 @@ class LocalStages(nn.Module):
         self.stages = dict(sorted(stages.items()))  # a plain dict: not registered twice
         self.layers = nn.ModuleDict()
         for st in self.stages.values():
+            if st.is_last and st.cfg.tied_embeddings and 0 not in self.stages:
+                self.add_module("tok_embeddings", HeadAlias(st.output.weight))  # one name for E
             for name in ("tok_embeddings", "norm", "output"):
                 if getattr(st, name) is not None:
                     self.add_module(name, getattr(st, name))
@@ -119,6 +125,7 @@ def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
         from hpctrain.parallel.pipeline.tp_stages import shard_stages
 
         plan = shard_stages(stages, group=tp_group, sp=sp, cfg=cfg)
+    tie_local_stages(stages, n_stages=n_stages)  # after sharding: tie the shards
     local = LocalStages(stages)
     local.tp_plan = plan
     return local
