@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from hpctrain.bench.summary import comm_rows, gemm_rows, p2p_matrix  # noqa: E402
+from hpctrain.bench.summary import comm_rows, gemm_rows, p2p_matrix
 
 
 def plot_comm(records: list[dict], out: Path) -> Path | None:
@@ -17,7 +14,7 @@ def plot_comm(records: list[dict], out: Path) -> Path | None:
     rows = comm_rows(records)
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = _figure(figsize=(7, 4.2))
     for key in sorted({(r["collective"], r["group"], tuple(r["ranks"])) for r in rows}):
         line = [r for r in rows if (r["collective"], r["group"], tuple(r["ranks"])) == key]
         where = key[1] if key[1] == "world" else f"{key[1]} {list(key[2])}"
@@ -36,7 +33,7 @@ def plot_gemm(records: list[dict], out: Path) -> Path | None:
     rows = gemm_rows(records)
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = _figure(figsize=(7, 4.2))
     for precision in sorted({r["precision"] for r in rows}):
         sq = [r for r in rows if r["precision"] == precision and r["kind"] == "square"]
         line = ax.plot([r["m"] for r in sq], [r["median_tflops"] for r in sq], "o-",
@@ -60,7 +57,7 @@ def plot_p2p(records: list[dict], out: Path) -> Path | None:
     if n < 2:
         return None
     values = [[float("nan") if v is None else v for v in row] for row in matrix]
-    fig, ax = plt.subplots(figsize=(4 + 0.25 * n, 3.5 + 0.25 * n))
+    fig, ax = _figure(figsize=(4 + 0.25 * n, 3.5 + 0.25 * n))
     im = ax.imshow(values, cmap="viridis")
     fig.colorbar(im, ax=ax, label="GB/s")
     if n <= 16:
@@ -76,7 +73,6 @@ def plot_p2p(records: list[dict], out: Path) -> Path | None:
 def _save(fig, out: Path) -> Path:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
@@ -85,3 +81,10 @@ def make_plots(records: list[dict], run_dir: Path) -> dict[str, str]:
             "gemm": plot_gemm(records, run_dir / "bench_gemm.png"),
             "p2p": plot_p2p(records, run_dir / "bench_p2p_heatmap.png")}
     return {k: str(v) for k, v in made.items() if v is not None}
+
+
+def _figure(*args, figsize: tuple[float, float], **kwargs):
+    """(figure, axes) drawn with matplotlib's object API: no pyplot, so no process-wide
+    backend or figure registry is touched (importing hpctrain has no side effects)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from hpctrain.metrics.logger import read_jsonl  # noqa: E402
+from hpctrain.metrics.logger import read_jsonl
 
 
 def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
@@ -18,7 +15,7 @@ def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
     train = [r for r in records if r.get("loss") is not None]
     if not train:
         return None
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax_loss, ax_tps) = _figure(1, 2, figsize=(10, 3.6))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     evals = [r for r in records if r.get("eval_loss") is not None]
     if evals:
@@ -33,5 +30,11 @@ def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)
     return out_path
+
+
+def _figure(*args, figsize: tuple[float, float], **kwargs):
+    """(figure, axes) drawn with matplotlib's object API: no pyplot, so no process-wide
+    backend or figure registry is touched (importing hpctrain has no side effects)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)

@@ -60,7 +60,7 @@ class GradReducer:
     zero: int
     comm_dtype: str = "fp32"
     on_unit_done: Callable[[FlatUnit], None] | None = None  # ZeRO-3 frees params here
-    issue_times: list[tuple[int, float]] = field(default_factory=list)
+    issue_times: list[tuple[int, float]] = field(default_factory=list)  # this step's only
     _sync: bool = True
     _ready: dict[int, int] = field(default_factory=dict)
     _issued: set[int] = field(default_factory=set)
@@ -100,6 +100,8 @@ class GradReducer:
         return torch.promote_types(unit.dtype, torch.float32)
 
     def _issue(self, unit: FlatUnit) -> None:
+        if not self._issued:  # the first bucket of a step: forget the previous step's times
+            self.issue_times.clear()
         self._issued.add(unit.index)
         self.issue_times.append((unit.index, time.perf_counter()))
         acc = self._acc_dtype(unit)

@@ -10,11 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 Box = tuple[float, float, str, str]  # (start, end, label, kind)
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#c9a227", "BW": "#2f8f83"}
@@ -45,20 +42,24 @@ def draw_timeline(
     ends = [end for boxes in timeline_per_rank for _, end, _, _ in boxes]
     span = max(ends, default=1.0) or 1.0
     n = len(timeline_per_rank)
-    fig, ax = plt.subplots(figsize=(12, 0.5 * n + 1.2))
-    try:
-        for rank, boxes in enumerate(timeline_per_rank):
-            _draw_rank(ax, rank, boxes, min_label_width=span / 80)
-        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
-        ax.set_ylim(n - 0.5, -0.5)
-        ax.set_xlim(0, span)
-        ax.set_xlabel("time")
-        ax.set_title(title)
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
-                  loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4,
-                  frameon=False)
-        fig.tight_layout()
-        fig.savefig(path, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    fig, ax = _figure(figsize=(12, 0.5 * n + 1.2))
+    for rank, boxes in enumerate(timeline_per_rank):
+        _draw_rank(ax, rank, boxes, min_label_width=span / 80)
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4,
+              frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
     return path
+
+
+def _figure(*args, figsize: tuple[float, float], **kwargs):
+    """(figure, axes) drawn with matplotlib's object API: no pyplot, so no process-wide
+    backend or figure registry is touched (importing hpctrain has no side effects)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
