@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hpctrain import config, tasks
+from hpctrain.launch.supervisor import JobStopped
 
 log = logging.getLogger("hpctrain")
 
@@ -22,7 +23,13 @@ def main(cfg: DictConfig) -> dict | None:
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
-    return tasks.run(parsed)
+    try:
+        return tasks.run(parsed)
+    except JobStopped as err:  # a signal or a failed rank: one message, the job's exit status
+        log.error("%s", err)
+        if _in_sweep():
+            raise
+        sys.exit(err.exit_code)
 
 
 def _in_sweep() -> bool:

@@ -88,7 +88,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 100  # every N steps (and at the end); 0: only at the end
     resume: str = "auto"  # auto | never | <checkpoint dir>
     profile: bool = False
     profile_steps: int = 3

@@ -65,7 +65,8 @@ class PipelineEngine:
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
                                        act_shape=self.act_shape, precision=t.precision,
-                                       batched=dist.get_backend() == "nccl")
+                                       batched=dist.get_backend() == "nccl",
+                                       timeout=mesh.timeout)
         self.last_timeline: Timeline = []
 
     @property
@@ -133,12 +134,13 @@ class PipelineEngine:
 
     def _eval_one(self, inputs_BL, targets_BL) -> torch.Tensor | None:
         dev, s2r, n = self.mesh.device, self.schedule.stage_to_rank, self.schedule.n_stages
-        h, outbox, out = inputs_BL.to(dev), Outbox(), None
+        h, outbox, out = inputs_BL.to(dev), Outbox(timeout=self.mesh.timeout), None
         for s, stage in self.local.stages.items():
             if s > 0 and s2r[s - 1] != self.pp_rank:
                 h = recv(self.act_shape, dtype=self.runtime.dtype, device=dev,
                          src=self.peers[s2r[s - 1]],
-                         tag=message_tag("F", stage=s, microbatch=0, n_stages=n))
+                         tag=message_tag("F", stage=s, microbatch=0, n_stages=n),
+                         timeout=self.mesh.timeout)
             with autocast(self.cfg.train.precision, dev):
                 out = stage(h, targets_BL.to(dev) if stage.is_last else None)
             if stage.is_last:

@@ -22,6 +22,7 @@ Activations are dropped from the stash as soon as their backward has run.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.comm import Outbox, message_tag, recv
+from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
 from hpctrain.parallel.pipeline.stage import LocalStages
@@ -49,10 +51,10 @@ class PipelineResult:
 class _StepState:
     micro_batches: Sequence[MicroBatch]
     start: float
+    outbox: Outbox
     inputs: dict = field(default_factory=dict)  # (stage, mb) → stage input
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
-    outbox: Outbox = field(default_factory=Outbox)
     loss_sum: torch.Tensor | None = None
     timeline: list = field(default_factory=list)
 
@@ -66,8 +68,10 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
                  peers: Sequence[int], act_shape: tuple[int, int, int], precision: str = "fp32",
-                 loss_multiplier: float = 1.0, batched: bool = False):
+                 loss_multiplier: float = 1.0, batched: bool = False,
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
         self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
+        self.timeout = timeout  # every send/receive wait gives up after it
         self.batched = batched
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
@@ -86,7 +90,8 @@ class PipelineRuntime:
         if len(micro_batches) != m:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
-        st = _StepState(micro_batches, time.perf_counter() if start is None else start)
+        st = _StepState(micro_batches, time.perf_counter() if start is None else start,
+                        Outbox(timeout=self.timeout))
         for item in comm_groups(self.actions) if self.batched else self.actions:
             if isinstance(item, tuple):
                 self._exchange(st, item)
@@ -166,7 +171,7 @@ class PipelineRuntime:
                           n_stages=self.schedule.n_stages)
         st.mail[kind, to_stage, a.microbatch] = recv(
             self.act_shape, dtype=self.dtype, device=self.device, src=self._peer(peer_stage),
-            tag=tag)
+            tag=tag, timeout=self.timeout)
 
     def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
         """One batched group of sends and receives; returns when all of them completed."""
@@ -184,7 +189,7 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
                 received.append(((kind, to_stage, a.microbatch), buf))
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            work.wait(self.timeout)
         st.mail.update(received)
 
     def _peer(self, stage: int) -> int:
