@@ -123,7 +123,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     assert stopped in family and not (left := _alive(family)), left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_a_launcher_signal_stops_with_a_checkpoint(tmp_path, sig):
     proc = _start(tmp_path)
     _wait_training(proc, tmp_path)
