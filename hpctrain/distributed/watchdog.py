@@ -167,7 +167,7 @@ class Watchdog:
                 elapsed = time.monotonic() - self.since
                 self.report(f"no step completed for {elapsed:.0f} s (cluster.timeout_s="
                             f"{self.timeout_s:g})", frame=_main_frame())
-                _exit_now(EXIT_HANG)
+                exit_now(EXIT_HANG)
 
     def _write_beat(self) -> None:
         state = {"rank": self.rank, "host": self.host, "pid": self.pid, "step": self.current,
@@ -240,7 +240,7 @@ def _main_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """End this rank from the watchdog thread: the main thread is blocked in a wait that may
     never return, so no unwinding; flush the logs first."""
     for handler in logging.getLogger().handlers:

@@ -124,9 +124,15 @@ def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir:
     if signals:
         name = signal.Signals(signals[0]).name
         killed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-        how = ("every rank saved its checkpoint and exited" if not killed else
-               f"ranks {killed} did not exit within {stop_grace_s:g} s "
-               "(cluster.signal_delay_s) and were killed: the last periodic checkpoint is kept")
+        if not killed:
+            how = "every rank saved its checkpoint and exited"
+        elif signal.SIGINT in signals[1:]:
+            how = (f"a second SIGINT killed ranks {killed} at once: the last periodic "
+                   "checkpoint is kept")
+        else:
+            how = (f"ranks {killed} did not exit within {stop_grace_s:g} s "
+                   "(cluster.signal_delay_s) and were killed: the last periodic checkpoint is "
+                   "kept")
         raise JobStopped(f"stopped by {name}: {how}", exit_code=128 + signals[0])
     if failed is None:
         return

@@ -25,7 +25,7 @@ from hpctrain.distributed import hang_report
 from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import Mesh, build_mesh
-from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog
+from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
 
 TaskFn = Callable[[Config, Mesh], dict[str, Any]]
 
@@ -54,8 +54,8 @@ def backend_for(cfg: Config, device_type: str) -> str:
 def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_rank: int,
              store: dist.Store | None = None) -> dict[str, Any]:
     """Initialise the default group (from `store`, or env:// MASTER_ADDR/PORT), run `task`
-    under the hang watchdog. A wait that times out or loses its peer raises
-    SystemExit(EXIT_HANG) after the watchdog's report; other errors propagate."""
+    under the hang watchdog. A wait that times out or loses its peer ends the process with
+    status EXIT_HANG after the watchdog's report; other errors propagate."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(rank, log_file=run_dir / "hpctrain.log")
@@ -84,6 +84,6 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
         if not hang_report.is_comm_failure(err):
             raise
         watchdog.report(hang_report.first_line(err), tb=err.__traceback__)
-        raise SystemExit(EXIT_HANG) from None
+        exit_now(EXIT_HANG)  # the job is over: no teardown (seconds on a loaded node)
     finally:
         dist.destroy_process_group()
