@@ -194,7 +194,7 @@ def last_collective(trace: bytes | None) -> str | None:
     try:
         entry = json.loads(trace)["entries"][-1]
         pg = entry["process_group"]
-        name = pg[1] if pg[1] not in ("", "undefined") else f"group {pg[0]}"
+        name = {"default_pg": "world", "": f"#{pg[0]}", "undefined": f"#{pg[0]}"}.get(pg[1], pg[1])
         return f"{entry['profiling_name']} on the {name} group (#{entry['collective_seq_id']})"
     except (TypeError, ValueError, KeyError, IndexError):
         return None

@@ -128,3 +128,12 @@ def test_comm_failures_are_told_from_other_errors():
     lost = RuntimeError("[a.cc:1] Connection closed by peer [127.0.0.1]:1. This is typically ..")
     assert hang_report.first_line(lost) == "Connection closed by peer [127.0.0.1]:1"
     assert not hang_report.is_comm_failure(ValueError("model.dim=7 is odd"))
+
+
+def test_last_collective_reads_the_flight_recorder():
+    entry = {"profiling_name": "gloo:all_reduce", "process_group": ["0", "default_pg"],
+             "collective_seq_id": 22}
+    trace = json.dumps({"entries": [dict(entry, process_group=["1", "dp"]), entry]}).encode()
+    assert hang_report.last_collective(trace) == "gloo:all_reduce on the world group (#22)"
+    assert hang_report.last_collective(None) is None
+    assert hang_report.last_collective(b"{}") is None
