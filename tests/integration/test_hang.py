@@ -163,5 +163,4 @@ def test_a_killed_rank_ends_the_job_named(tmp_path):
     code, out, exit_s = _finish(proc, limit_s=30)
     assert code != 0 and exit_s < 10, (code, exit_s)
     assert f"rank 1 (pid {victim}) was killed by SIGKILL (its last heartbeat: step" in out
-    assert "lost a rank: rank 1 (host" in out  # what rank 0 saw: its peer is gone
     assert not (left := _alive(family)), left
