@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from hpctrain import config, tasks
 from hpctrain.launch.rundir_lock import RunDirBusy
+from hpctrain.launch.supervisor import JobStopped
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
 
 log = logging.getLogger("hpctrain")
@@ -33,6 +34,11 @@ def main(cfg: DictConfig) -> dict | None:
     except RunDirBusy as err:
         log.error("%s", err)
         sys.exit(2)
+    except JobStopped as err:  # a signal or a failed rank: one message, the job's exit status
+        log.error("%s", err)
+        if _in_sweep():
+            raise
+        sys.exit(err.exit_code)
 
 
 def _redact_hydra_outputs() -> None:

@@ -38,7 +38,7 @@ class ClusterConfig:
     cpus_per_task: int = 1
     mem_gb: int | None = None
     setup: tuple[str, ...] = ()
-    signal_delay_s: int = 120
+    signal_delay_s: int = 120  # Slurm: USR2 this long before the limit; local: stop grace
     env: dict[str, str] = field(default_factory=dict)
     # What the planner (task=plan) assumes about the hardware; GPUs per node = procs_per_node.
     accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM
@@ -88,7 +88,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 100  # every N steps (and at the end); 0: only at the end
     resume: str = "auto"  # auto | never | <checkpoint dir>
     profile: bool = False
     profile_steps: int = 3

@@ -3,9 +3,12 @@
 On gloo, `batch_isend_irecv` is reported unreliable, so each message is one `isend` with a tag
 that identifies it uniquely, matched by one blocking `recv` with the same tag. Sends are kept
 (`Outbox`) until `wait_all`, because a tensor must stay alive until its send completes.
+Every wait takes the mesh's timeout explicitly: a peer that never answers raises after it.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,8 @@ def message_tag(kind: str, *, stage: int, microbatch: int, n_stages: int) -> int
 class Outbox:
     """Outstanding isends of one step: keeps their tensors alive until `wait_all`."""
 
-    def __init__(self):
+    def __init__(self, *, timeout: datetime.timedelta):
+        self.timeout = timeout
         self._works: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, tensor: torch.Tensor, *, dst: int, tag: int) -> None:
@@ -37,13 +41,14 @@ class Outbox:
 
     def wait_all(self) -> None:
         for work, _ in self._works:
-            work.wait()
+            work.wait(self.timeout)
         self._works.clear()
 
 
 def recv(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, src: int,
-         tag: int) -> torch.Tensor:
-    """Blocking receive of a tensor of known shape/dtype from global rank `src`."""
+         tag: int, timeout: datetime.timedelta) -> torch.Tensor:
+    """Blocking receive of a tensor of known shape/dtype from global rank `src`; raises when
+    nothing arrives within `timeout`."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(out, src=src, tag=tag)
+    dist.irecv(out, src=src, tag=tag).wait(timeout)
     return out

@@ -1,13 +1,23 @@
 """cluster=local: `cluster.procs_per_node` rank processes on this machine.
 
 Ranks are spawned (not forked: forked gloo/CUDA state is unsafe) and meet through a FileStore
-in the run directory, so concurrent runs never collide on a port. A world of one runs in the
-calling process, which keeps the progress display on the terminal and tracebacks plain.
+in the run directory, so concurrent runs never collide on a port. Each rank sends its result
+back on its own pipe; `launch.supervisor` watches them (signals, failures, no orphans). A rank
+also dies with the launcher (SIGTERM from the kernel when the launcher process is gone, which
+stops it with a checkpoint like any SIGTERM). A world of one runs in the calling process, which
+keeps the progress display on the terminal and tracebacks plain.
+
+Signals: SIGINT/SIGTERM stop the ranks through the agreed preemption path (`launch.preempt`):
+every rank checkpoints at the next step boundary and exits; after cluster.signal_delay_s the
+launcher kills what is left; a second SIGINT kills at once. The launcher then exits 128+signal.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +25,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpctrain.config import Config
+from hpctrain.launch import preempt
+from hpctrain.launch.supervisor import JobStopped, supervise
 from hpctrain.launch.worker import TaskFn, run_rank
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _store_path(cfg: Config) -> Path:
@@ -27,25 +41,62 @@ def _store_path(cfg: Config) -> Path:
     return path
 
 
-def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, results):
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the launcher dies (even by SIGKILL), so no rank is
+    orphaned; elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, pipe) -> None:
+    _die_with_parent()
+    preempt.STOP.install(preempt.LOCAL_SIGNALS)
     store = dist.FileStore(store_path, world)
     out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
-    results[rank] = out
+    pipe.send(out)
+    pipe.close()
 
 
 def launch_local(cfg: Config, task: TaskFn) -> dict[str, Any]:
-    """Run `task` on every rank; returns the logging rank's result."""
+    """Run `task` on every rank; returns the logging rank's result. Raises `JobStopped` when a
+    signal stopped the run or a rank failed."""
     if cfg.cluster.nodes != 1:
         raise ValueError(f"cluster=local runs on one node but cluster.nodes={cfg.cluster.nodes}: "
                          "use cluster=slurm for several nodes")
     world = cfg.cluster.world_size
     store_path = _store_path(cfg)
     if world == 1:
+        return _in_process(cfg, task, store_path)
+    ctx = mp.get_context("spawn")
+    procs, readers = [], []
+    for rank in range(world):
+        reader, writer = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_spawned, name=f"hpctrain-rank{rank}",
+                                 args=(rank, cfg, task, str(store_path), world, writer)))
+        procs[-1].start()
+        writer.close()  # the rank holds the only writer: its exit makes the pipe readable
+        readers.append(reader)
+    results = supervise(procs, readers, run_dir=Path(cfg.run_dir),
+                        stop_grace_s=cfg.cluster.signal_delay_s)
+    merged = [results[r] for r in sorted(results) if results[r]]
+    return merged[0] if merged else {}
+
+
+def _in_process(cfg: Config, task: TaskFn, store_path: Path) -> dict[str, Any]:
+    """The one rank in this process: the same stop path, exit 128+signal after the save.
+    (Signal handlers can only be set from the main thread; elsewhere the run is unstoppable
+    by signals, as any Python code in a thread is.)"""
+    if threading.current_thread() is threading.main_thread():
+        preempt.STOP.install(preempt.LOCAL_SIGNALS)
+    try:
         store = dist.FileStore(str(store_path), 1)
-        return run_rank(cfg, task, rank=0, world_size=1, local_rank=0, store=store)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_spawned, args=(cfg, task, str(store_path), world, results),
-                           nprocs=world, start_method="spawn", join=True)
-        merged = [r for r in results.values() if r]
-        return merged[0] if merged else {}
+        result = run_rank(cfg, task, rank=0, world_size=1, local_rank=0, store=store)
+        signum = preempt.STOP.signum if preempt.STOP.agreed else None
+    finally:
+        preempt.STOP.uninstall()
+    if signum is not None:
+        raise JobStopped(f"stopped by {signal.Signals(signum).name}: checkpoint saved "
+                         f"({result.get('checkpoint')})", exit_code=128 + signum)
+    return result

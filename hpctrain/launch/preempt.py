@@ -7,6 +7,10 @@ trainer calls `agreed(step)` after each step, which all-reduces the recorded cod
 every rank stops after the same step, saves one consistent checkpoint with the others, and
 leaves. Requeueing happens afterwards, outside any collective (`requeue_if_asked`).
 
+Local runs (`launch.local`) install the same handlers plus SIGINT: Ctrl-C (which the terminal
+sends to the launcher and every rank) or a SIGINT/SIGTERM the launcher forwards stops the ranks
+through this same agreed path; a second SIGINT ends the process at once.
+
 Codes: 0 nothing, 1 SIGTERM (save and exit), 2 USR2 (save, exit and requeue).
 """
 
@@ -25,7 +29,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 NONE, TERM, REQUEUE = 0, 1, 2
-_CODES = {signal.SIGTERM: TERM, signal.SIGUSR2: REQUEUE}
+_CODES = {signal.SIGTERM: TERM, signal.SIGUSR2: REQUEUE, signal.SIGINT: TERM}
+SLURM_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+LOCAL_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 
 
 class StopRequest:
@@ -34,25 +40,41 @@ class StopRequest:
     def __init__(self) -> None:
         self.code = NONE  # strongest signal seen by this process
         self.agreed = NONE  # the world's MAX, once agreed at a step boundary
+        self.signum: int | None = None  # the first stop signal this process received
         self.installed = False
         self.previous: dict[int, Callable | int | None] = {}
 
     def _on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.code > NONE:
+            log.warning("second SIGINT: exiting now, without a checkpoint")
+            os._exit(128 + signal.SIGINT)
         self.code = max(self.code, _CODES.get(signum, TERM))
+        self.signum = self.signum or signum
         log.warning("received %s: stopping with a checkpoint after this step",
                     signal.Signals(signum).name)
 
-    def install(self) -> None:
-        """Replace submitit's USR2/SIGTERM handlers (kept in `previous` for the requeue)."""
-        for signum in _CODES:
+    def install(self, signals: tuple[int, ...] = SLURM_SIGNALS) -> None:
+        """Replace the handlers of `signals` (submitit's USR2/SIGTERM ones are kept in
+        `previous` for the requeue)."""
+        for signum in signals:
             self.previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
         self.installed = True
 
+    def uninstall(self) -> None:
+        """Put the previous handlers back and forget the signals seen (an in-process run that
+        returns to its caller)."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self.previous.clear()
+        self.code = self.agreed = NONE
+        self.signum, self.installed = None, False
+
     def agreed_code(self, group: dist.ProcessGroup | None = None,
                     device: torch.device | None = None) -> int:
         """Collective over `group` (the world by default): the MAX of every rank's code.
-        Without installed handlers (local runs) no rank can be signalled: no collective."""
+        Without installed handlers (a mesh used outside a launcher) no rank can be signalled:
+        no collective."""
         if not self.installed:
             return NONE
         flag = torch.tensor([self.code], dtype=torch.int32, device=device)  # NCCL: on the GPU

@@ -1,7 +1,11 @@
 """The body of one rank: join the process group, build the mesh, run the task, leave.
 
 Used by every launcher (local spawn, Slurm task, torchrun) so a rank behaves the same
-whichever way it was started.
+whichever way it was started: its log lines also go to `<run_dir>/hpctrain.log` (appended by
+every rank, one write per line, each prefixed with the rank); every group and point-to-point
+wait uses cluster.timeout_s; the hang watchdog (`distributed.watchdog`) watches its steps, and a
+wait that times out or loses its peer ends the rank with the watchdog's report (exit
+`EXIT_HANG`) instead of a traceback.
 """
 
 from __future__ import annotations
@@ -10,22 +14,35 @@ import datetime
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hpctrain.config import Config
+from hpctrain.distributed import hang_report
 from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import Mesh, build_mesh
+from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
 
 TaskFn = Callable[[Config, Mesh], dict[str, Any]]
 
 
-def setup_logging(rank: int) -> None:
+# Flight recorder entries kept per process group (torch records only when this is set before
+# the group is created); the watchdog dumps them on a hang. A user's own value wins.
+FLIGHT_RECORDER_ENTRIES = "2000"
+
+
+def setup_logging(rank: int, *, log_file: str | os.PathLike | None = None) -> None:
+    """Rank-prefixed log lines on stderr and, given `log_file`, appended to it as well."""
     fmt = f"[%(asctime)s rank{rank} %(name)s %(levelname)s] %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_file is not None:
+        handlers.append(logging.FileHandler(log_file, mode="a"))
+    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True,
+                        handlers=handlers)
 
 
 def backend_for(cfg: Config, device_type: str) -> str:
@@ -36,19 +53,37 @@ def backend_for(cfg: Config, device_type: str) -> str:
 
 def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_rank: int,
              store: dist.Store | None = None) -> dict[str, Any]:
-    """Initialise the default group (from `store`, or env:// MASTER_ADDR/PORT), run `task`."""
-    setup_logging(rank)
+    """Initialise the default group (from `store`, or env:// MASTER_ADDR/PORT), run `task`
+    under the hang watchdog. A wait that times out or loses its peer ends the process with
+    status EXIT_HANG after the watchdog's report; other errors propagate."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(rank, log_file=run_dir / "hpctrain.log")
     torch.set_num_threads(cfg.cluster.threads_per_proc)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.threads_per_proc))
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+    if rank == 0:  # before the rendezvous, so no other rank has started watching yet
+        hang_report.archive_previous(run_dir)
     device_type = resolve_device_type(cfg.cluster.device)
     device = local_device(device_type, local_rank)
     timeout = datetime.timedelta(seconds=cfg.cluster.timeout_s)
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend_for(cfg, device_type), rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
+    watchdog = Watchdog(run_dir, rank=rank, world_size=world_size,
+                        timeout_s=cfg.cluster.timeout_s)
     try:
         p = cfg.parallel
-        mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=rank, device=device)
-        return task(cfg, mesh)
+        mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=rank, device=device,
+                          timeout=timeout, heartbeat=watchdog)
+        with watchdog:
+            return task(cfg, mesh)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        if not hang_report.is_comm_failure(err):
+            raise
+        watchdog.report(hang_report.first_line(err), tb=err.__traceback__)
+        exit_now(EXIT_HANG)  # the job is over: no teardown (seconds on a loaded node)
     finally:
         dist.destroy_process_group()

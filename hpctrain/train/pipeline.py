@@ -77,7 +77,8 @@ class PipelineEngine:
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
                                        act_shape=self.act_shape, precision=t.precision,
-                                       batched=dist.get_backend() == "nccl")
+                                       batched=dist.get_backend() == "nccl",
+                                       timeout=mesh.timeout)
         self.last_timeline: Timeline = []
 
     @property

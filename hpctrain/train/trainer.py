@@ -173,6 +173,7 @@ class Trainer:
         extra: dict[str, Any] = {}
         with self._profiler() as prof:
             while self.step < t.steps:
+                self.mesh.heartbeat.step(self.step)  # the hang watchdog times each step
                 metrics = self.train_one()
                 self.history.append(metrics)
                 self._after_step(metrics, loggers, progress, extra)
@@ -180,13 +181,15 @@ class Trainer:
                     prof.step()
                 if self._should_stop(extra):
                     break
+        self.mesh.heartbeat.idle("final checkpoint")
         if self.pipeline is not None and self.cfg.parallel.timeline:
             extra.update(self.pipeline.write_timeline(self.run_dir, step=self.step) or {})
         extra["checkpoint"] = str(self.save())
         return self._finish(loggers, extra) if logging_rank else {}
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
-        """train.stop_after reached, or a preemption/time-limit signal on any rank. The signal
+        """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
+        limit, SIGINT/SIGTERM to the local launcher). The signal
         check is collective (launch.preempt), so every rank stops after the same step and the
         checkpoint saved next is consistent."""
         t = self.cfg.train
@@ -194,7 +197,7 @@ class Trainer:
             return True
         if preempt.stop_agreed(device=self.mesh.device):
             extra["stopped_by_signal"] = True
-            log.warning("stop requested by Slurm: checkpointing at step %d", self.step)
+            log.warning("stop requested by a signal: checkpointing at step %d", self.step)
             return True
         return False
 

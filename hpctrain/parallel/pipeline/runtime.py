@@ -23,6 +23,7 @@ Activations are dropped from the stash as soon as their backward has run.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.comm import Outbox, message_tag, recv
+from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
 from hpctrain.parallel.pipeline.lowering import forward_only
@@ -51,10 +53,10 @@ class PipelineResult:
 class _StepState:
     micro_batches: Sequence[MicroBatch]
     start: float
+    outbox: Outbox  # this step's sends, waited with the mesh's timeout
     inputs: dict = field(default_factory=dict)  # (stage, mb) → stage input
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
-    outbox: Outbox = field(default_factory=Outbox)
     posted: dict = field(default_factory=dict)  # message key → (irecv work, buffer), gloo path
     train: bool = True  # False: forward only (evaluate), nothing stashed, loss_i unscaled
     loss_sum: torch.Tensor | None = None
@@ -70,8 +72,10 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
                  peers: Sequence[int], act_shape: tuple[int, int, int], precision: str = "fp32",
-                 loss_multiplier: float = 1.0, batched: bool = False):
+                 loss_multiplier: float = 1.0, batched: bool = False,
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
         self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
+        self.timeout = timeout  # every send/receive wait gives up after it
         self.batched = batched
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
@@ -91,7 +95,8 @@ class PipelineRuntime:
         if len(micro_batches) != m:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
-        st = _StepState(micro_batches, time.perf_counter() if start is None else start)
+        st = _StepState(micro_batches, time.perf_counter() if start is None else start,
+                        Outbox(timeout=self.timeout))
         self._run(st, comm_groups(self.actions) if self.batched else self.actions)
         return PipelineResult(st.loss_sum, st.timeline)
 
@@ -108,7 +113,8 @@ class PipelineRuntime:
                              f"got {n}: split the eval batches into chunks of at most m")
         if n not in self._eval_actions:
             self._eval_actions[n] = forward_only(self.actions, microbatches=n)
-        st = _StepState(micro_batches, time.perf_counter(), train=False)
+        st = _StepState(micro_batches, time.perf_counter(), Outbox(timeout=self.timeout),
+                        train=False)
         self._run(st, self._eval_actions[n])
         return st.loss_sum
 
@@ -210,10 +216,10 @@ class PipelineRuntime:
             tag = message_tag(kind, stage=to_stage, microbatch=a.microbatch,
                               n_stages=self.schedule.n_stages)
             st.mail[key] = recv(self.act_shape, dtype=self.dtype, device=self.device,
-                                src=self._peer(peer_stage), tag=tag)
+                                src=self._peer(peer_stage), tag=tag, timeout=self.timeout)
             return
         work, buf = st.posted.pop(key)
-        work.wait()
+        work.wait(self.timeout)
         st.mail[key] = buf
 
     def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
@@ -232,7 +238,7 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
                 received.append(((kind, to_stage, a.microbatch), buf))
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            work.wait(self.timeout)
         st.mail.update(received)
 
     def _peer(self, stage: int) -> int:

@@ -1,0 +1,166 @@
+"""Fault injection on a real dp=2 `python -m hpctrain` run: a SIGSTOPped rank is named and the
+job ends; SIGINT/SIGTERM to the launcher stop it with a checkpoint; a killed rank is named; no
+process is left behind in any case."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+TIMEOUT_S = 10
+RUN = ["model=debug", "train=debug", "parallel=dp2", "cluster.procs_per_node=2",
+       "data.max_bytes=200000", "logger.wandb=disabled", "logger.progress=plain",
+       "train.steps=100000", "train.log_every=1000", "train.eval_every=0",
+       "train.checkpoint_every=0", f"cluster.timeout_s={TIMEOUT_S}"]
+
+
+def _start(run_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, "-m", "hpctrain", *RUN, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _beat(run_dir: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((run_dir / "hang" / "heartbeat" / f"rank_{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_training(proc, run_dir: Path, *, min_step: int = 3, limit_s: float = 60) -> None:
+    """Until both ranks' heartbeats report step ≥ min_step."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        beats = [_beat(run_dir, r) for r in (0, 1)]
+        if all(b and (b["step"] or 0) >= min_step for b in beats):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError("the run did not start training")
+
+
+def _children() -> dict[int, int]:
+    """pid → parent pid of every process on this machine."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                out[int(entry.name)] = int(stat[stat.rfind(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents, found, frontier = _children(), set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int], *, grace_s: float = 3.0) -> set[int]:
+    """Those of `pids` still running `grace_s` from now (multiprocessing's resource tracker
+    leaves a moment after the launcher)."""
+    deadline = time.monotonic() + grace_s
+    while (alive := _running(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def _running(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _finish(proc, *, limit_s: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    family = _descendants(proc.pid)
+    stopped = _beat(tmp_path, 1)["pid"]
+    t_stop = time.time()
+    os.kill(stopped, signal.SIGSTOP)
+    code, out, exit_s = _finish(proc, limit_s=TIMEOUT_S + 20)
+    report = tmp_path / "hang" / "report.txt"
+    detect_s = report.stat().st_mtime - t_stop
+    assert code == 3, out[-3000:]
+    assert detect_s < TIMEOUT_S + 3, detect_s  # a step boundary + the timeout + one beat
+    assert exit_s < TIMEOUT_S + 12, exit_s  # + the launcher's grace and teardown (loaded CI)
+    assert out.count("hang: rank 1 (host ") == 2, out[-3000:]  # the rank's report, the exit line
+    assert "stopped responding" in report.read_text()
+    # rank 0 waits in the dp gradient all-reduce or the world's stop-flag all-reduce
+    assert re.search(r"last collective issued: gloo:all_reduce on the (dp|world) group",
+                     report.read_text())
+    assert "Traceback" not in out, out[-3000:]
+    assert "train_one" in (tmp_path / "hang" / "stacks_rank0.txt").read_text()
+    assert (tmp_path / "hang" / "flight_recorder_rank0.json").stat().st_size > 100
+    assert stopped in family and not (left := _alive(family)), left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_launcher_signal_stops_with_a_checkpoint(tmp_path, sig):
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    family = _descendants(proc.pid)
+    os.kill(proc.pid, sig)  # the launcher alone, not its process group
+    code, out, exit_s = _finish(proc, limit_s=30)
+    assert code == 128 + sig, out[-3000:]
+    assert exit_s < 15, exit_s
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert saved and (saved[-1] / "train_state.json").exists()
+    assert f"stopped by {signal.Signals(sig).name}" in out
+    assert len(family) >= 2 and not (left := _alive(family)), left
+
+
+def test_a_second_sigint_kills_at_once(tmp_path):
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    family = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGINT)
+    code, out, exit_s = _finish(proc, limit_s=30)
+    assert code == 130 and exit_s < 5, (code, exit_s, out[-3000:])
+    assert "a second SIGINT killed ranks [0, 1] at once" in out, out[-3000:]
+    assert not (left := _alive(family)), left
+
+
+def test_a_killed_rank_ends_the_job_named(tmp_path):
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    family = _descendants(proc.pid)
+    victim = _beat(tmp_path, 1)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    code, out, exit_s = _finish(proc, limit_s=30)
+    assert code != 0 and exit_s < 10, (code, exit_s)
+    assert f"rank 1 (pid {victim}) was killed by SIGKILL (its last heartbeat: step" in out
+    assert not (left := _alive(family)), left
