@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -9,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hpctrain import config, tasks
+from hpctrain.errors import RunStopped
 
 log = logging.getLogger("hpctrain")
 
@@ -22,7 +24,17 @@ def main(cfg: DictConfig) -> dict | None:
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
-    return tasks.run(parsed)
+    try:
+        return tasks.run(parsed)
+    except RunStopped as err:  # the ranks agreed to stop: one message and its exit code
+        log.error("%s", err)
+        if _in_sweep():
+            raise
+        code = err.exit_code
+    # Out of the except block, with the traceback's frames collected: the rank's objects
+    # (process groups and their threads) go now, not during interpreter shutdown.
+    gc.collect()
+    sys.exit(code)
 
 
 def _in_sweep() -> bool:

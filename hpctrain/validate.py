@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "selective", "full")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
 TASKS = ("train", "simulate", "bench", "plan")
+ON_NONFINITE = ("stop", "skip", "rollback")  # hpctrain.train.nonfinite
 Check = Callable[[Config], list[str]]
 
 
@@ -38,6 +39,7 @@ def check_choices(c: Config) -> list[str]:
         *_choice("parallel.schedule", c.parallel.schedule, tuple(SCHEDULES)),
         *_choice("train.precision", c.train.precision, PRECISIONS),
         *_choice("train.activation_checkpointing", c.train.activation_checkpointing, CHECKPOINTING),
+        *_choice("train.on_nonfinite", c.train.on_nonfinite, ON_NONFINITE),
         *_choice("cluster.launcher", c.cluster.launcher, ("local", "slurm")),
         *_choice("cluster.device", c.cluster.device, ("auto", "cpu", "cuda")),
         *_choice("cluster.backend", c.cluster.backend, ("auto", "gloo", "nccl")),

@@ -8,6 +8,7 @@ calling process, which keeps the progress display on the terminal and tracebacks
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpctrain.config import Config
+from hpctrain.errors import RunStopped
 from hpctrain.launch.worker import TaskFn, run_rank
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,11 @@ def _store_path(cfg: Config) -> Path:
 
 def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, results):
     store = dist.FileStore(store_path, world)
-    out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
+    try:
+        out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
+    except RunStopped as err:  # an agreed stop: hand the message over, exit without a traceback
+        results[rank] = {"stopped": str(err), "exit_code": err.exit_code}
+        sys.exit(err.exit_code)
     results[rank] = out
 
 
@@ -45,7 +51,16 @@ def launch_local(cfg: Config, task: TaskFn) -> dict[str, Any]:
         return run_rank(cfg, task, rank=0, world_size=1, local_rank=0, store=store)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_spawned, args=(cfg, task, str(store_path), world, results),
-                           nprocs=world, start_method="spawn", join=True)
+        try:
+            mp.start_processes(_spawned, args=(cfg, task, str(store_path), world, results),
+                               nprocs=world, start_method="spawn", join=True)
+        except mp.ProcessExitedException:
+            # The first rank to exit wrote its message before exiting; the ranks of an agreed
+            # stop all carry the same one.
+            stopped = [r for r in results.values() if r and "stopped" in r]
+            if stopped:
+                raise RunStopped(stopped[0]["stopped"],
+                                 exit_code=stopped[0]["exit_code"]) from None
+            raise
         merged = [r for r in results.values() if r]
         return merged[0] if merged else {}
