@@ -86,16 +86,28 @@ def test_stop_exits_3_with_one_message_and_a_finite_checkpoint(tmp_path, layout)
     assert (last["step"], last["grad_norm"], last["nonfinite"]) == (2, None, "grad norm")
 
 
-def _pp_stop_on_rank(zero: int, run_dir: str) -> tuple[str, str]:
-    from tests.parallel.trainer_runs import run_trainer
+def _pp_stop_on_rank(zero: int, run_dir: str) -> tuple[str, str, bool]:
+    import torch.distributed as dist
 
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.train.trainer import Trainer
+    from tests.parallel.trainer_runs import BASE
+
+    cfg = make_config([*BASE, "train.steps=4", "cluster.procs_per_node=2", "parallel=pp2",
+                       f"parallel.zero={zero}"], run_dir=run_dir)
+    mesh = build_mesh(ParallelDims(pp=2), rank=dist.get_rank(), device=torch.device("cpu"))
     with poisoned(1, global_batch=8, dp=1):  # update 2's loss is NaN on the last stage only
+        trainer = Trainer(cfg, mesh)
+        trainer.guard.after_step(1, trainer.train_one())  # update 1, as run() would
+        before = [t.clone() for t in trainer._state_tensors()]
         try:
-            run_trainer(["parallel=pp2", f"parallel.zero={zero}", "train.on_nonfinite=stop"],
-                        run_dir, steps=4)
+            trainer.run()  # continues at update 2
         except NonFiniteError as err:
-            return "stopped", str(err)
-    return "finished", ""
+            unchanged = all(torch.equal(a, b) for a, b in
+                            zip(before, trainer._state_tensors(), strict=True))
+            return "stopped", str(err), unchanged
+    return "finished", "", False
 
 
 @pytest.mark.parametrize("zero", [0, 1], ids=["torch-adamw", "engine"])
@@ -105,6 +117,7 @@ def test_pp2_every_stage_stops_on_a_last_stage_nan_loss(world2, tmp_path, zero):
     assert results[0][1] == results[1][1]  # one message, agreed by both stages
     assert "step 2: non-finite loss (loss=nan" in results[0][1]
     assert "Last finite step 1: loss=6.2" in results[0][1]  # stage 0 learned it from stage 1
+    assert results[0][2] and results[1][2]  # no stage applied the bad update
 
 
 # -- skip --------------------------------------------------------------------------------------
