@@ -37,9 +37,11 @@ def reduce_norm(sq: torch.Tensor, *, loss: torch.Tensor | None, groups: Iterable
                 unscale: float = 1.0) -> NormVerdict:
     """Sum [sq, loss flag] over each of `groups` (None entries skipped) in one all-reduce per
     group; return ‖g‖ = √Σsq / unscale and what, if anything, was non-finite."""
-    flag = 0.0 if loss is None or bool(torch.isfinite(loss).all()) else 1.0
-    vec = torch.stack([sq.to(torch.float64).reshape(()),
-                       torch.tensor(flag, dtype=torch.float64, device=sq.device)])
+    sq = sq.to(torch.float64).reshape(())
+    # A tensor, not a Python bool: no device sync beyond the one the norm needs anyway.
+    flag = (torch.zeros_like(sq) if loss is None
+            else (~torch.isfinite(loss)).any().to(sq))
+    vec = torch.stack([sq, flag])
     for group in groups:
         if group is not None:
             dist.all_reduce(vec, group=group)
