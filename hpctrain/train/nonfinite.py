@@ -126,13 +126,18 @@ def check_finite_state(tensors: Iterable[torch.Tensor], *, path: Path,
                        device: torch.device) -> None:
     """Raise NonFiniteError on every rank when any rank's `tensors` (its weights and optimizer
     state) hold NaN/inf, before a checkpoint is written to `path`. Collective over the world:
-    one max-|x| pass per tensor (no mask the size of the tensor) and one tiny all-reduce."""
-    maxes = [torch.linalg.vector_norm(t.detach(), ord=math.inf).double().to(device)
-             for t in tensors if t.is_floating_point() and t.numel() > 0]
-    local = bool(maxes) and not bool(torch.isfinite(torch.stack(maxes)).all())
+    one sum per tensor, one device sync, one tiny all-reduce."""
+    local = [t.detach() for t in tensors if t.is_floating_point() and t.numel() > 0]
+    # A sum is finite only if every element is (NaN and ±inf propagate) and runs ~10x faster
+    # than an element-wise test; a sum that overflowed on huge finite values is confirmed
+    # element by element.
+    sums = torch.stack([t.sum().float().to(device) for t in local]) if local else None
+    suspects = ([] if sums is None else
+                [t for t, ok in zip(local, torch.isfinite(sums).tolist(), strict=True) if not ok])
+    bad_here = any(not bool(torch.isfinite(t).all()) for t in suspects)
     world = dist.get_world_size() if dist.is_initialized() else 1
     bad = torch.zeros(world, dtype=torch.float32, device=device)
-    bad[dist.get_rank() if dist.is_initialized() else 0] = float(local)
+    bad[dist.get_rank() if dist.is_initialized() else 0] = float(bad_here)
     if dist.is_initialized():
         dist.all_reduce(bad)
     ranks = [r for r, flag in enumerate(bad.tolist()) if flag > 0]
