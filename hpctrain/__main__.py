@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -10,8 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hpctrain import config, tasks
-from hpctrain.launch.rundir_lock import RunDirBusy
-from hpctrain.launch.supervisor import JobStopped
+from hpctrain.errors import RunStopped
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
 
 log = logging.getLogger("hpctrain")
@@ -31,14 +31,18 @@ def main(cfg: DictConfig) -> dict | None:
         sys.exit(2)
     try:
         return tasks.launch(parsed)
-    except RunDirBusy as err:
-        log.error("%s", err)
-        sys.exit(2)
-    except JobStopped as err:  # a signal or a failed rank: one message, the job's exit status
+    except (RunStopped, ValueError) as err:  # one message and its exit code, no traceback
+        # ValueError: a refusal found once the run started (the run directory is busy, the
+        # checkpoint to resume is damaged or of another model); RunStopped: the ranks agreed
+        # to stop (a signal, a non-finite step, a failed rank).
         log.error("%s", err)
         if _in_sweep():
             raise
-        sys.exit(err.exit_code)
+        code = err.exit_code if isinstance(err, RunStopped) else 2
+    # Out of the except block, with the traceback's frames collected: the rank's objects
+    # (process groups and their threads) go now, not during interpreter shutdown.
+    gc.collect()
+    sys.exit(code)
 
 
 def _redact_hydra_outputs() -> None:

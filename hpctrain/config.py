@@ -93,6 +93,7 @@ class TrainConfig:
     profile: bool = False
     profile_steps: int = 3
     stop_after: int | None = None  # stop (with a checkpoint) after this step, as a preemption would
+    on_nonfinite: str = "stop"  # stop | skip | rollback on a NaN/inf loss or grad norm
 
 
 @dataclass(frozen=True)

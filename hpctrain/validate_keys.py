@@ -34,6 +34,7 @@ def choices(c: Config) -> dict[str, tuple[object, tuple]]:
         "parallel.schedule": (c.parallel.schedule, tuple(SCHEDULES)),
         "train.precision": (c.train.precision, PRECISIONS),
         "train.activation_checkpointing": (c.train.activation_checkpointing, CHECKPOINTING),
+        "train.on_nonfinite": (c.train.on_nonfinite, ("stop", "skip", "rollback")),
         "cluster.launcher": (c.cluster.launcher, ("local", "slurm")),
         "cluster.device": (c.cluster.device, ("auto", "cpu", "cuda")),
         "cluster.backend": (c.cluster.backend, ("auto", "gloo", "nccl")),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpctrain.config import Config
+from hpctrain.errors import RunStopped
 from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
 from hpctrain.launch.worker import TaskFn, run_rank
@@ -54,7 +56,16 @@ def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, 
     _die_with_parent()
     preempt.STOP.install(preempt.LOCAL_SIGNALS)
     store = dist.FileStore(store_path, world)
-    out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
+    try:
+        out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
+    except RunStopped as err:  # an agreed stop: hand the message over, exit without a traceback
+        pipe.send({"stopped": str(err), "exit_code": err.exit_code})
+        pipe.close()
+        sys.exit(err.exit_code)
+    except ValueError as err:  # a user-facing refusal found inside the ranks (e.g. resume)
+        pipe.send({"stopped": str(err), "exit_code": 2})
+        pipe.close()
+        sys.exit(2)
     pipe.send(out)
     pipe.close()
 

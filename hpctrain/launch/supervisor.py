@@ -25,16 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.distributed.watchdog import EXIT_HANG
+from hpctrain.errors import RunStopped
 
 log = logging.getLogger(__name__)
 
 
-class JobStopped(RuntimeError):
+class JobStopped(RunStopped):
     """The job ended before every rank finished; `exit_code` is what the launcher exits with."""
-
-    def __init__(self, message: str, *, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _Signals:
@@ -101,7 +98,7 @@ def supervise(procs: list, pipes: list[Connection], *, run_dir: Path, stop_grace
             p.join()
         sig.restore()
     _raise_if_stopped(procs, failed=failed, signals=sig.seen, run_dir=run_dir,
-                      stop_grace_s=stop_grace_s)
+                      stop_grace_s=stop_grace_s, results=results)
     return results
 
 
@@ -120,7 +117,7 @@ def _receive(open_pipes: dict[int, Connection], results: dict[int, Any], procs) 
 
 
 def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir: Path,
-                      stop_grace_s: float) -> None:
+                      stop_grace_s: float, results: dict[int, Any]) -> None:
     if signals:
         name = signal.Signals(signals[0]).name
         killed = [r for r, p in enumerate(procs) if p.exitcode != 0]
@@ -136,6 +133,10 @@ def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir:
         raise JobStopped(f"stopped by {name}: {how}", exit_code=128 + signals[0])
     if failed is None:
         return
+    stopped = [results[r] for r in sorted(results)
+               if isinstance(results[r], dict) and "stopped" in results[r]]
+    if stopped:  # the ranks stopped on purpose (RunStopped, a refusal): their one message
+        raise JobStopped(stopped[0]["stopped"], exit_code=stopped[0]["exit_code"])
     report = Path(run_dir) / "hang" / "report.txt"
     if report.exists() and procs[failed].exitcode == EXIT_HANG:  # it reported; else it died
         first = report.read_text().splitlines()[0]

@@ -11,7 +11,9 @@ gradients averaged over dp. Clipping uses the global norm: squared norms of each
 parameters are summed over the pp group. The loss (and eval loss, computed by the runtime's
 forward-only path) is known on the rank holding the last stage — the last pp rank, or pp rank 0
 under a V schedule — and shared from there over the pp group, so the logging rank reports it for
-every schedule.
+every schedule. Whether the loss is finite reaches every stage before the update: it rides in
+the norm's all-reduce (hpctrain.parallel.finite), so a non-finite loss or norm skips the update
+on every rank.
 
 Measured bubble: before each step the pp group meets at a barrier; each rank records its compute
 actions (perf_counter relative to that start). A rank's bubble is 1 − busy/span, span = the time
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.finite import SKIPPED, NormVerdict, reduce_norm
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -100,15 +103,20 @@ class PipelineEngine:
             result = self.runtime.step(list(micro_batches), start=start)
         span = time.perf_counter() - start
         self.last_timeline = result.timeline
+        loss = (result.loss_sum.to(torch.float64).reshape(()) if result.loss_sum is not None
+                else None)
         if engine is not None:
-            norm, skipped = engine.reduce_and_update(scaler=scaler, multiplier=multiplier,
-                                                     grad_clip=grad_clip)
+            step = engine.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                            grad_clip=grad_clip, loss=loss)
         else:
-            norm, skipped = self._update(optimizer, scaler=scaler, multiplier=multiplier,
-                                         grad_clip=grad_clip)
-        loss = self._reported(result.loss_sum)
+            step = self._update(optimizer, scaler=scaler, multiplier=multiplier,
+                                grad_clip=grad_clip, loss=loss)
+        # The update averaged the loss over dp on the last stage's rank; share it over pp.
+        held = torch.tensor(step.loss) if self.holds_loss else None
+        step.loss = float(last_stage_value(held, holds=self.holds_loss, group=pp_group,
+                                           device=self.mesh.device))
         metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
-        return StepResult(loss, norm, skipped), metrics
+        return step, metrics
 
     def engine_axes(self, axes: dict[str, Any]) -> dict[str, Any]:
         """The data-parallel engine's `axes` (train.tensor_parallel.engine_axes) plus, with
@@ -127,8 +135,10 @@ class PipelineEngine:
         return {**axes, "pre_reduce": pre_reduce,
                 "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
 
-    def _update(self, optimizer, *, scaler: LossScaler, multiplier: float,
-                grad_clip: float) -> tuple[float, bool]:
+    def _update(self, optimizer, *, scaler: LossScaler, multiplier: float, grad_clip: float,
+                loss: torch.Tensor | None) -> StepResult:
+        """torch AdamW over this rank's stages: as the engine's reduce_and_update (dp average
+        of grads and loss, overflow, verdict, clip, step), with a flat dp all-reduce."""
         pp_group = self.mesh.group("pp")
         params = [p for p in self.local.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
@@ -137,19 +147,24 @@ class PipelineEngine:
         if self.tp_plan is not None:
             sync_tp_grads(params, self.tp_plan)
         allreduce_mean(grads, self.mesh.group("dp"))
+        if loss is not None:
+            allreduce_mean([loss], self.mesh.group("dp"))
         # Under tp a shard's overflow is seen by one tp rank only: agree over the whole world.
         overflow_group = pp_group if self.tp_plan is None else None
         skipped = scaler.enabled and scaler.found_overflow(grads, group=overflow_group)
         scaler.update(skipped)
-        norm = float("nan")
+        verdict = SKIPPED
         if not skipped:
             if multiplier != 1.0:
                 torch._foreach_div_(grads, multiplier)
-            norm = clip_global_norm(params, grad_clip, group=pp_group, tp_plan=self.tp_plan,
-                                    replicas=self.tied.replicas if self.tied else None)
-            optimizer.step()
+            verdict = global_norm(params, group=pp_group, tp_plan=self.tp_plan, loss=loss,
+                                  replicas=self.tied.replicas if self.tied else None)
+            if verdict.nonfinite is None:
+                clip_to(params, grad_clip, norm=verdict.norm)
+                optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        return norm, skipped
+        return StepResult(float(loss) if loss is not None else math.nan, verdict.norm, skipped,
+                          verdict.nonfinite)
 
     def eval_loss(self, batches) -> float:
         """Mean loss over `batches`, forward only through the schedule's own F path
@@ -205,27 +220,28 @@ def _merged_replicas(*maps: dict[int, int] | None) -> dict[int, int]:
     return out
 
 
-def clip_global_norm(params: list[torch.nn.Parameter], max_norm: float, *, group,
-                     tp_plan: TensorParallelPlan | None = None,
-                     replicas: dict[int, int] | None = None) -> float:
+def global_norm(params: list[torch.nn.Parameter], *, group,
+                tp_plan: TensorParallelPlan | None = None,
+                loss: torch.Tensor | None = None,
+                replicas: dict[int, int] | None = None) -> NormVerdict:
     """‖g‖ over all pipeline stages (squared norms summed over `group`) and, with a `tp_plan`,
     over the unsharded model (each value counted once: ‖g_p‖² / replicas(p), summed over tp;
-    `replicas` adds parameters held by several pp ranks, e.g. tied embeddings);
-    scale by max_norm / (‖g‖ + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does."""
+    `replicas` adds parameters held by several pp ranks, e.g. tied embeddings), with the
+    non-finite verdict for it and `loss` (None on stages without the loss)."""
     replicas = _merged_replicas(tp_plan.replicas if tp_plan is not None else None, replicas)
     sq = torch.stack([p.grad.double().pow(2).sum() / replicas.get(id(p), 1)
                       for p in params]).sum()
-    if tp_plan is not None and tp_plan.group is not None:
-        dist.all_reduce(sq, group=tp_plan.group)
-    if group is not None:
-        dist.all_reduce(sq, group=group)
-    norm = float(sq.sqrt())
+    tp_group = tp_plan.group if tp_plan is not None else None
+    return reduce_norm(sq, loss=loss, groups=(tp_group, group))
+
+
+def clip_to(params: list[torch.nn.Parameter], max_norm: float, *, norm: float) -> None:
+    """Scale by max_norm / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does."""
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in params:
                 p.grad.mul_(coef)
-    return norm
 
 
 def measured_bubble(timeline: Timeline, span: float, *, group,

@@ -33,9 +33,10 @@ def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepResult:
-    loss: float  # mean over the global batch
+    loss: float  # mean over the global batch (NaN on pipeline ranks that hold no loss)
     grad_norm: float
-    skipped: bool
+    skipped: bool  # fp16 overflow: loss scale lowered, no update
+    nonfinite: str | None = None  # "loss", "grad norm", "loss and grad norm": no update either
 
 
 def allreduce_mean(tensors: Iterable[torch.Tensor], group) -> None:

@@ -28,6 +28,7 @@ from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data import build_data_parallel
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
+from hpctrain.train import nonfinite
 from hpctrain.train.data import Sampler, TokenDataset, batch
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
@@ -82,13 +83,16 @@ class Trainer:
         self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
         self.history: list[dict[str, Any]] = []
         self.step = 0
+        self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
+        self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
         self.prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
         dp_rank = self.mesh.coord("dp")
         for micro in range(self.cfg.grad_accum):
-            yield batch(self.train_ds, self.sampler.indices(step, dp_rank=dp_rank, micro=micro))
+            yield batch(self.train_ds, self.sampler.indices(step + self.data_offset,
+                                                            dp_rank=dp_rank, micro=micro))
 
     def eval_batches(self):
         t, dp, dp_rank = self.cfg.train, self.cfg.parallel.dp, self.mesh.coord("dp")
@@ -112,15 +116,20 @@ class Trainer:
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
+        self.data_offset = train_state.get("data_offset", 0)
+        self.guard.rollbacks = train_state.get("nonfinite_rollbacks", 0)
         log.info("resumed from %s at step %d (saved at %s)", found.path, self.step,
                  " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
 
     def save(self) -> Path:
-        p = self.cfg.parallel
-        state = {"step": self.step,
-                 "consumed_samples": self.step * self.cfg.train.global_batch_size,
+        p, gbs = self.cfg.parallel, self.cfg.train.global_batch_size
+        state = {"step": self.step, "data_offset": self.data_offset,
+                 "nonfinite_rollbacks": self.guard.rollbacks,
+                 "consumed_samples": (self.step + self.data_offset) * gbs,
                  "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
-        return ckpt.save(ckpt.checkpoint_dir(self.run_dir, self.step), model=self.model,
+        path = ckpt.checkpoint_dir(self.run_dir, self.step)
+        nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
+        return ckpt.save(path, model=self.model,
                          optimizer=self.optimizer, train_state=state,
                          rank_state={"scaler": self.scaler.state_dict()},
                          model_config=self.cfg.model)
@@ -143,7 +152,8 @@ class Trainer:
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                "skipped": result.skipped, "step_time_s": dt, "tokens_per_s": tokens_per_s,
+                "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
+                "tokens_per_s": tokens_per_s,
                 "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
                            n_devices=self.mesh.dims.world_size, peak_flops=self.peak),
                 **take_comm_bytes(self.tp_plan), **step_extra}
@@ -176,7 +186,8 @@ class Trainer:
                 self.mesh.heartbeat.step(self.step)  # the hang watchdog times each step
                 metrics = self.train_one()
                 self.history.append(metrics)
-                self._after_step(metrics, loggers, progress, extra)
+                if not self._judge(metrics, loggers):
+                    self._after_step(metrics, loggers, progress, extra)
                 if prof is not None:
                     prof.step()
                 if self._should_stop(extra):
@@ -201,6 +212,59 @@ class Trainer:
             return True
         return False
 
+    # -- non-finite steps (train.on_nonfinite, hpctrain.train.nonfinite) ---------------------
+    def _judge(self, metrics: dict[str, Any], loggers) -> bool:
+        """Apply train.on_nonfinite after a step. Every rank holds the same verdict, so every
+        rank takes the same branch. True when a rollback undid the step (no eval, checkpoint
+        or progress for it; its record says what was non-finite and where training went)."""
+        step = self.step
+        action = self.guard.after_step(step, metrics)
+        if action == "continue":
+            return False
+        found = self._last_verified()
+        checkpoint = found.path if found is not None else None
+        if action == "rollback" and found is None:
+            action = self.guard.cannot_roll_back()
+        if action == "rollback":
+            self._rollback(found)
+            metrics["rolled_back_to"] = self.step
+        if loggers is not None:
+            loggers.log(step, metrics)
+        if action == "stop":
+            if loggers is not None:
+                loggers.close()
+            raise self.guard.stop_error(step, metrics, cfg=self.cfg, checkpoint=checkpoint,
+                                        device=self.mesh.device)
+        return True
+
+    def _last_verified(self) -> ckpt.Verified | None:
+        """Collective: the newest verified checkpoint of this run, or None (none, or none
+        verifies)."""
+        try:
+            return ckpt.agreed_latest(self.run_dir)
+        except ValueError:
+            return None
+
+    def _rollback(self, found: ckpt.Verified) -> None:
+        """Reload `found` on every rank and skip the data of the steps since it, through the bad
+        one: the data step is step + data_offset, so the sampler stays a pure function."""
+        bad, path = self.step, found.path
+        train_state, rank_state = ckpt.load(found, model=self.model, optimizer=self.optimizer,
+                                            model_config=self.cfg.model)
+        self.scaler.load_state_dict(rank_state["scaler"])
+        self.step = train_state["step"]
+        self.data_offset += bad - self.step
+        if self.mesh.is_logging_rank:
+            log.warning("step %d non-finite (%s): rolled back to %s, skipping the data of steps "
+                        "%d..%d (rollback %d of %d)", bad, self.history[-1]["nonfinite"], path,
+                        self.step + 1, bad, self.guard.rollbacks, nonfinite.MAX_ROLLBACKS)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """This rank's weights and optimizer state (the engine's shards, or the module's)."""
+        if self.dp is not None:
+            return [u.shard for u in self.dp.units] + self.dp.optimizer.tensors()
+        return [*self.model.parameters(), *optimizer_tensors(self.optimizer)]
+
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
@@ -214,7 +278,8 @@ class Trainer:
         if loggers is None:
             return
         progress.advance(step - 1)
-        if step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics:
+        if (step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics
+                or metrics["nonfinite"]):
             loggers.log(step, {**metrics, **self.memory_metrics(), **self.prediction.once()})
 
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:

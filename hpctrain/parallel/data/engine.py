@@ -3,8 +3,10 @@
 One object per rank owns the units (flat buffers), the GradReducer, the ShardedAdamW and, for
 zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
 micro-batches run under `reducer.no_sync()` except the last of the accumulation window, then
-the reduction is finished explicitly, overflow is agreed by all ranks (fp16), and the sharded
-optimizer clips by the global norm and updates.
+the reduction is finished explicitly, the loss is averaged over dp, overflow is agreed by all
+ranks (fp16), and the sharded optimizer clips by the global norm and updates — unless the loss
+or the norm is non-finite (hpctrain.parallel.finite): then no rank updates, and the result
+says what was non-finite (the trainer decides what to do next).
 
 Composition with tensor and pipeline parallelism: the engine works over the dp group on the
 local parameters a rank holds (tp shards, pipeline stages). What the other axes need is passed
@@ -22,6 +24,7 @@ masters live in the optimizer shards; fp32 (and fp64) parameters are their own m
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,6 +35,7 @@ from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
+from hpctrain.parallel.finite import SKIPPED
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
 
@@ -87,29 +91,32 @@ class DataParallel:
                 loss = loss_fn(logits, targets_BL.to(device)) / n_micro
                 (loss * multiplier).backward()
             loss_sum += loss.detach().double()
-        norm, skipped = self.reduce_and_update(scaler=scaler, multiplier=multiplier,
-                                               grad_clip=grad_clip)
-        allreduce_mean([loss_sum], self.group)
-        return StepResult(float(loss_sum), norm, skipped)
+        return self.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                      grad_clip=grad_clip, loss=loss_sum)
 
-    def reduce_and_update(self, *, scaler: LossScaler, multiplier: float,
-                          grad_clip: float) -> tuple[float, bool]:
+    def reduce_and_update(self, *, scaler: LossScaler, multiplier: float, grad_clip: float,
+                          loss: torch.Tensor | None) -> StepResult:
         """After backward (overlapped, or run under `reducer.no_sync()`): pre_reduce, finish the
-        dp reduction, agree on overflow, clip + update, zero the gradients. Collective over the
-        world when norm_groups are set. Returns (grad norm before clipping, skipped)."""
+        dp reduction, average `loss` (this rank's loss sum, 0-d; None on pipeline stages that
+        hold no loss) over dp in place, agree on overflow, then clip + update unless the loss or
+        the grad norm is non-finite; zero the gradients. Collective over the world when
+        norm_groups are set. The result's grad norm is the one before clipping."""
         if self.pre_reduce is not None:
             self.pre_reduce()
         self.reducer.finish()
+        if loss is not None:  # before the update, so every dp rank judges the same mean loss
+            allreduce_mean([loss], self.group)
         skipped = scaler.enabled and scaler.found_overflow(self.optimizer.grad_shards(),
                                                            group=self.overflow_group)
         scaler.update(skipped)
-        norm = float("nan")
+        verdict = SKIPPED
         if not skipped:
-            norm = self.optimizer.step(unscale=multiplier, max_norm=grad_clip)
+            verdict = self.optimizer.step(unscale=multiplier, max_norm=grad_clip, loss=loss)
         self.optimizer.zero_grad()
         if self.zero3 is not None:
             self.zero3.free_all()
-        return norm, skipped
+        return StepResult(float(loss) if loss is not None else math.nan, verdict.norm, skipped,
+                          verdict.nonfinite)
 
     def ledger(self) -> dict[str, int]:
         """Bytes this rank holds now, de-duplicated by storage (what `model_state_bytes` models).

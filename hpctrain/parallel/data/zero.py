@@ -10,6 +10,9 @@ offload='cpu' keeps master, m, v on the host and runs the update there.
 The update is torch's single-tensor AdamW, element-wise on the flat shard:
   θ ← θ(1 − lr·wd)  (only on pieces of ≥2-D parameters),  m ← lerp(m, g, 1 − β1),
   v ← β2 v + (1 − β2) g²,  θ ← θ − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
+Before anything changes, the step checks the loss and the global norm for NaN/inf (in the
+norm's own all-reduce, hpctrain.parallel.finite): a non-finite step leaves master weights,
+moments and the step count untouched.
 Clipping uses the true global norm: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (all-reduced;
 shards are disjoint, so nothing is counted twice). When the units hold only part of the model
 (tensor-parallel shards, one pipeline stage), the squares are also summed over `norm_groups`,
@@ -24,10 +27,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from hpctrain.config import OptimConfig
 from hpctrain.parallel.data.units import FlatUnit
+from hpctrain.parallel.finite import NormVerdict, reduce_norm
 
 ADAM_CHUNK = 1 << 16  # elements per update slice: 256 KiB of fp32, a few slices fit in L2
 
@@ -75,7 +78,10 @@ class ShardedAdamW:
     def grad_shards(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units]
 
-    def global_grad_norm(self, *, unscale: float = 1.0) -> float:
+    def global_grad_norm(self, *, unscale: float = 1.0,
+                         loss: torch.Tensor | None = None) -> NormVerdict:
+        """‖g‖ over the whole model and whether it or `loss` (this rank's dp-mean loss, None
+        off the last pipeline stage) is non-finite, agreed by every rank that steps together."""
         # One fp32 (at least) norm per shard, squared and summed in fp64, as torch's
         # clip_grad_norm_ does per tensor: no fp64 copy of the gradients (that cost a full
         # extra pass and allocation per step, ~30x slower on CPU).
@@ -86,17 +92,20 @@ class ShardedAdamW:
             for lo, hi, k in weights:  # count a replicated value once: keep 1/k of it
                 part = torch.linalg.vector_norm(g[lo:hi], dtype=acc).double().square()
                 sq -= part * (1 - 1 / k)
-        if self.group is not None and self.units[0].layout.n_shards > 1:
-            dist.all_reduce(sq, group=self.group)
-        for group in self.norm_groups:
-            dist.all_reduce(sq, group=group)
-        return math.sqrt(float(sq)) / unscale
+        sharded = self.group is not None and self.units[0].layout.n_shards > 1
+        return reduce_norm(sq, loss=loss, groups=(self.group if sharded else None,
+                                                  *self.norm_groups), unscale=unscale)
 
     # -- the update ------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, *, unscale: float = 1.0, max_norm: float = 0.0) -> float:
-        """One AdamW update on every shard; returns the global gradient norm (pre-clip)."""
-        norm = self.global_grad_norm(unscale=unscale)
+    def step(self, *, unscale: float = 1.0, max_norm: float = 0.0,
+             loss: torch.Tensor | None = None) -> NormVerdict:
+        """One AdamW update on every shard, unless the loss or the global gradient norm is
+        non-finite (then nothing changes). Returns the norm (pre-clip) and that verdict."""
+        verdict = self.global_grad_norm(unscale=unscale, loss=loss)
+        if verdict.nonfinite is not None:
+            return verdict
+        norm = verdict.norm
         coef = 1.0 / unscale
         if max_norm > 0:
             coef *= min(1.0, max_norm / (norm + 1e-6))
@@ -115,7 +124,7 @@ class ShardedAdamW:
         for work in works:
             if work is not None:
                 work.wait()
-        return norm
+        return verdict
 
     def _adamw(self, unit: FlatUnit, state: dict[str, torch.Tensor], grad: torch.Tensor):
         lr, (b1, b2), t = self.param_groups[0]["lr"], self.betas, self.steps
