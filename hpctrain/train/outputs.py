@@ -26,10 +26,12 @@ def make_loggers(cfg: Config, *, run_dir: Path, start_step: int) -> tuple[MultiL
 
 
 def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
-              extra: dict[str, Any]) -> dict[str, Any]:
-    """Final numbers of a run. Throughput is the median over steps after the first two
-    (the first steps pay for allocator warm-up and lazy initialisation)."""
-    steady = history[2:] or history
+              extra: dict[str, Any], evicted: int = 0) -> dict[str, Any]:
+    """Final numbers of a run from its recent step records (`history`, after `evicted` older
+    ones were dropped). Throughput is the median over those steps, leaving out the run's first
+    two (they pay for allocator warm-up and lazy initialisation)."""
+    warmup = max(0, 2 - evicted)
+    steady = history[warmup:] or history
     tps = statistics.median(h["tokens_per_s"] for h in steady) if steady else None
     mfus = [h["mfu"] for h in steady if h.get("mfu") is not None]
     last = history[-1] if history else {}

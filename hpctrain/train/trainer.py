@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from hpctrain.train.tensor_parallel import (
 )
 
 log = logging.getLogger(__name__)
+HISTORY_STEPS = 1000  # step records kept for the summary's medians
 
 
 class Trainer:
@@ -81,7 +83,10 @@ class Trainer:
         self.sampler = Sampler(self.train_ds.n_samples, seed=t.seed, dp=cfg.parallel.dp,
                                global_batch=t.global_batch_size, micro_batch=t.micro_batch_size)
         self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
-        self.history: list[dict[str, Any]] = []
+        # The recent steps' records only (summary medians, the last loss): nothing per step
+        # grows for the whole run; `steps_run` counts them all.
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
+        self.steps_run = 0
         self.step = 0
         self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
@@ -186,6 +191,7 @@ class Trainer:
                 self.mesh.heartbeat.step(self.step)  # the hang watchdog times each step
                 metrics = self.train_one()
                 self.history.append(metrics)
+                self.steps_run += 1
                 if not self._judge(metrics, loggers):
                     self._after_step(metrics, loggers, progress, extra)
                 if prof is not None:
@@ -288,7 +294,8 @@ class Trainer:
                      world_size=self.mesh.dims.world_size, completed_steps=self.step)
         plot = plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
         extra["plot"] = str(plot) if plot else None
-        summary = summarize(self.history, cfg=self.cfg, run_dir=self.run_dir, extra=extra)
+        summary = summarize(list(self.history), cfg=self.cfg, run_dir=self.run_dir, extra=extra,
+                            evicted=self.steps_run - len(self.history))
         summary.update(self.prediction.summary(summary, mem))  # predicted vs measured
         loggers.summary(summary)
         loggers.close()

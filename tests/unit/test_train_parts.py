@@ -65,3 +65,20 @@ def test_env_from_torchrun_and_slurm():
 def test_expand_nodelist():
     assert expand_nodelist("n[1-3,7],gpu[08-09],login") == [
         "n1", "n2", "n3", "n7", "gpu08", "gpu09", "login"]
+
+
+def test_summary_medians_skip_only_the_runs_first_two_steps(tmp_path):
+    """The trainer keeps the recent step records only; once the first two are evicted the
+    whole window is steady state."""
+    from hpctrain.train.outputs import summarize
+    from tests.conftest import make_config
+
+    cfg = make_config(["model=debug", "train=debug"], run_dir=tmp_path)
+    recs = [{"tokens_per_s": v, "step_time_s": 1.0, "mfu": None, "loss": 1.0}
+            for v in (1.0, 2.0, 10.0, 10.0, 10.0)]
+    assert summarize(recs, cfg=cfg, run_dir=tmp_path, extra={})["tokens_per_s"] == 10.0
+    window = recs[1:]  # step 1 evicted: only step 2 is still warm-up
+    assert summarize(window, cfg=cfg, run_dir=tmp_path, extra={},
+                     evicted=1)["tokens_per_s"] == 10.0
+    assert summarize(recs[:3], cfg=cfg, run_dir=tmp_path, extra={},
+                     evicted=5)["tokens_per_s"] == 2.0
