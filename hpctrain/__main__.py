@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from hpctrain import config, tasks
+from hpctrain import config, schema, tasks
 from hpctrain.errors import RunStopped
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
 
@@ -67,4 +67,5 @@ def _in_sweep() -> bool:
 
 
 if __name__ == "__main__":
+    schema.register()  # every group's keys and defaults, from the dataclasses
     main()

@@ -12,7 +12,7 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from hpctrain.models.config import ModelConfig
 
@@ -20,31 +20,31 @@ from hpctrain.models.config import ModelConfig
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str = "local"
-    launcher: str = "local"  # local | slurm
+    launcher: Literal["local", "slurm"] = "local"
     nodes: int = 1
-    procs_per_node: int = 1
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # auto | gloo | nccl
+    procs_per_node: int = 1  # rank processes per node (GPUs per node on a GPU cluster)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: int = 300  # process-group timeout: a mismatched collective fails, never hangs
     threads_per_proc: int = 1
     # Slurm settings (used when launcher=slurm).
-    partition: str | None = None
+    partition: str | None = None  # None: the cluster's default partition
     account: str | None = None
     qos: str | None = None
-    time_min: int = 60
+    time_min: int = 60  # --time; submitit sends USR2 signal_delay_s before it
     constraint: str | None = None
     exclude: str | None = None
-    gpus_per_node: int = 0
+    gpus_per_node: int = 0  # > 0 adds --gres=gpu:N
     cpus_per_task: int = 1
-    mem_gb: int | None = None
-    setup: tuple[str, ...] = ()
+    mem_gb: int | None = None  # 0: all of a node's memory (--mem=0)
+    setup: tuple[str, ...] = ()  # shell lines run in the job script before srun (module load)
     signal_delay_s: int = 120  # Slurm: USR2 this long before the limit; local: stop grace
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # exported in the job: NCCL_IB_HCA, ...
     # What the planner (task=plan) assumes about the hardware; GPUs per node = procs_per_node.
-    accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM
+    accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM, H200
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
-    achievable_fraction: float = 0.5
+    achievable_fraction: float = 0.5  # fraction of the dense peak that compute sustains
     # A task=bench bench.json (or its run dir): measured GEMM peak and link bandwidths replace
     # the table's and the *_gb_s values above (hpctrain.plan.calibrate).
     calibration: str | None = None
@@ -59,14 +59,14 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0
-    sp: bool = False
-    offload: str = "none"  # none | cpu
-    schedule: str = "1f1b"
+    zero: int = 0  # 0 (plain data parallel) | 1 | 2 | 3
+    sp: bool = False  # sequence parallelism (with tp > 1)
+    offload: Literal["none", "cpu"] = "none"
+    schedule: str = "1f1b"  # a name of the schedule registry (validate_keys.REGISTRY_CHOICES)
     microbatches: int | None = None  # None: global_batch / (micro_batch × dp)
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # chunks per rank: ≥ 2 for interleaved_1f1b (zbv always runs 2)
     bucket_mb: float = 25.0
-    grad_comm_dtype: str = "fp32"  # fp32 | bf16 | fp16 (on the wire; fp32 accumulation)
+    grad_comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # on the wire; fp32 accumulation
     timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
 
     @property
@@ -79,26 +79,28 @@ class TrainConfig:
     steps: int = 200
     seed: int = 1234
     global_batch_size: int = 16
-    micro_batch_size: int = 8
+    micro_batch_size: int = 4
     seq_len: int = 128
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 on CPU: allow_slow_precision
     allow_slow_precision: bool = False
-    activation_checkpointing: str = "none"  # none | selective | full
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     grad_clip: float = 1.0
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 100  # every N steps (and at the end); 0: only at the end
-    resume: str = "auto"  # auto | never | <checkpoint dir>
-    profile: bool = False
+    resume: str = "auto"  # auto (newest verified checkpoint of the run dir) | never | <dir>
+    profile: bool = False  # torch.profiler Chrome trace of a few steps
     profile_steps: int = 3
     stop_after: int | None = None  # stop (with a checkpoint) after this step, as a preemption would
-    on_nonfinite: str = "stop"  # stop | skip | rollback on a NaN/inf loss or grad norm
+    # A NaN/inf loss or grad norm: stop (exit 3), skip the update, or roll back to the last
+    # verified checkpoint and skip that data (hpctrain.train.nonfinite).
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: Literal["adamw"] = "adamw"
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -106,15 +108,17 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 20
-    lr_schedule: str = "cosine"  # cosine | constant
+    lr_schedule: Literal["cosine", "constant"] = "cosine"  # warmup, then decay to min_lr
 
 
 @dataclass(frozen=True)
 class DataConfig:
     name: str = "stdlib"
-    source: str = "stdlib"  # stdlib | files | tokens
+    # stdlib: this Python's standard-library sources; files: data.paths (text files/globs);
+    # tokens: a prepared directory.
+    source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
-    tokenizer: str = "byte"  # byte | bpe
+    tokenizer: Literal["byte", "bpe"] = "byte"  # bpe: trained locally with HF tokenizers
     bpe_vocab_size: int = 512
     max_bytes: int = 4_000_000
     val_fraction: float = 0.01
@@ -123,17 +127,29 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LoggerConfig:
-    wandb: str = "auto"  # auto (online with a key, else offline) | online | offline | disabled
+    # auto: online with an API key, else offline. W&B runs on the logging rank only.
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     project: str = "hpctrain"
     entity: str | None = None
     group: str | None = None
     run_name: str | None = None
-    progress: str = "auto"  # auto | rich | plain
+    progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
+
+
+Task = Literal["train", "simulate", "bench", "plan"]
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The `task` group: what `python -m hpctrain` does (task=plan and task=simulate run once,
+    with no ranks; train and bench run on every rank)."""
+
+    name: Task = "train"
 
 
 @dataclass(frozen=True)
 class Config:
-    task: str
+    task: Task
     run_dir: str
     cluster: ClusterConfig
     model: ModelConfig
@@ -187,6 +203,8 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
         if name in names:
             try:
                 kwargs[name] = _coerce(f"{group}.{name}", value, hints[name])
+            except ChoiceError as err:  # names the allowed values and the closest one
+                problems.append(Problem(f"{group}.{name}", str(err)))
             except ValueError as err:
                 problems.append(Problem(f"{group}.{name}",
                                         f"{err}{_example(group, names[name], hints[name])}"))
@@ -232,8 +250,33 @@ def _type_name(hint: Any) -> str:
     return getattr(args[0], "__name__", str(args[0]))
 
 
+class ChoiceError(ValueError):
+    """A value outside its field's `Literal[...]` choices; the message names them."""
+
+
+def literal_choices(hint: Any) -> tuple | None:
+    """The allowed values of a `Literal[...]` field (also inside `X | None`), else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+
+
+def choice_text(key: str, value: Any, allowed: tuple) -> str:
+    """"<key>=<value> is not one of <allowed>: did you mean <closest>?" (or an example)."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    fix = f"did you mean {key}={close[0]}?" if close else f"e.g. {key}={allowed[0]}"
+    return f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}: {fix}"
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check a value against its field's type; lists become tuples, ints become floats."""
+    """Check a value against its field's type; lists become tuples, ints become floats, a
+    `Literal` field takes only its listed values (ChoiceError otherwise)."""
+    allowed = literal_choices(hint)
+    if allowed is not None and not (value is None and type(None) in typing.get_args(hint)):
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return value
+        raise ChoiceError(choice_text(key, value, allowed))
     base = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = typing.get_args(hint)

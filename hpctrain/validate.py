@@ -9,6 +9,7 @@ so none divides by zero, suggests a fix built from a bad value, or repeats a pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -281,10 +282,11 @@ def check_plan(c: Config) -> list[str]:
         settings = plan_settings(c)
     except ValueError as err:
         return [str(err), *_errors_of(c, cluster_spec)]
-    values = {f"plan.{key}": value for key, value in settings.items()}
+    given = {**dataclasses.asdict(settings), **(c.extra.get("plan") or {})}  # as the user wrote
+    values = {f"plan.{key}": value for key, value in given.items()}
     errs = [p.text for p in range_problems(values, PLAN_RANGES)]
     for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("schedules", tuple(SCHEDULES))):
-        bad = [v for v in settings[key] if v not in allowed]
+        bad = [v for v in getattr(settings, key) if v not in allowed]
         if bad:
             errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
     return errs + _errors_of(c, cluster_spec)

@@ -1,5 +1,6 @@
-"""Key-level rules, as tables: the allowed values of every choice key (`choices`) and the range
-of every numeric key (`RANGES`: key → Range, with the fix for a value outside it).
+"""Key-level rules, as tables: the allowed values of every choice key (`choices`: the
+dataclasses' `Literal` annotations plus REGISTRY_CHOICES) and the range of every numeric key
+(`RANGES`: key → Range, with the fix for a value outside it).
 
 A value outside its range becomes "<key>=<value> must be <range>: <fix>". Each problem carries
 its key, so `hpctrain.validate` can skip the cross-field checks that read a key already found
@@ -11,53 +12,54 @@ read from `Config.extra` check their own ranges: bench (hpctrain.bench.config), 
 
 from __future__ import annotations
 
-import difflib
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 from typing import Any
 
-from hpctrain.config import Config, Problem
+from hpctrain.config import _GROUPS, Config, Problem, Task, choice_text, literal_choices
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "selective", "full")
-TASKS = ("train", "simulate", "bench", "plan")
+TASKS: tuple[str, ...] = typing.get_args(Task)
+
+
+def literal_table() -> dict[str, tuple]:
+    """key → allowed values of every `Literal[...]` field of the run's groups, read from the
+    dataclass annotations (the one list; `config.build_checked` enforces it while parsing)."""
+    table = {"task": TASKS}
+    for group, cls in _GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        table.update({f"{group}.{f.name}": allowed for f in fields(cls)
+                      if (allowed := literal_choices(hints[f.name])) is not None})
+    return table
+
+
+# Choices that live in a registry, not a Literal: a new attention kernel or pipeline schedule
+# registers itself, and these keys accept what is registered. Checked here, after parsing.
+REGISTRY_CHOICES = ("model.attention", "parallel.schedule")
 
 
 def choices(c: Config) -> dict[str, tuple[object, tuple]]:
-    """key → (value, allowed values) of every key with a fixed set of values."""
+    """key → (value, allowed values) of every key with a fixed set of values: the Literal
+    fields (already enforced by parsing) and the registry-backed REGISTRY_CHOICES."""
     from hpctrain.ops.attention import ATTENTION_BACKENDS
     from hpctrain.parallel.pipeline.schedules import SCHEDULES
 
-    return {
-        "task": (c.task, TASKS),
-        "model.attention": (c.model.attention, tuple(ATTENTION_BACKENDS)),
-        "parallel.schedule": (c.parallel.schedule, tuple(SCHEDULES)),
-        "train.precision": (c.train.precision, PRECISIONS),
-        "train.activation_checkpointing": (c.train.activation_checkpointing, CHECKPOINTING),
-        "train.on_nonfinite": (c.train.on_nonfinite, ("stop", "skip", "rollback")),
-        "cluster.launcher": (c.cluster.launcher, ("local", "slurm")),
-        "cluster.device": (c.cluster.device, ("auto", "cpu", "cuda")),
-        "cluster.backend": (c.cluster.backend, ("auto", "gloo", "nccl")),
-        "data.source": (c.data.source, ("stdlib", "files", "tokens")),
-        "data.tokenizer": (c.data.tokenizer, ("byte", "bpe")),
-        "logger.wandb": (c.logger.wandb, ("auto", "online", "offline", "disabled")),
-        "logger.progress": (c.logger.progress, ("auto", "rich", "plain")),
-        "optim.name": (c.optim.name, ("adamw",)),
-        "optim.lr_schedule": (c.optim.lr_schedule, ("cosine", "constant")),
-        "parallel.offload": (c.parallel.offload, ("none", "cpu")),
-        "parallel.grad_comm_dtype": (c.parallel.grad_comm_dtype, PRECISIONS),
-    }
+    registry = {"model.attention": tuple(ATTENTION_BACKENDS),
+                "parallel.schedule": tuple(SCHEDULES)}
+    table = {**literal_table(), **registry}
+    return {key: (_value(c, key), allowed) for key, allowed in table.items()}
+
+
+def _value(c: Config, key: str) -> object:
+    if key == "task":
+        return c.task
+    group, name = key.split(".")
+    return getattr(getattr(c, group), name)
 
 
 def choice_problems(c: Config) -> list[Problem]:
-    return [Problem(key, f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}: "
-                         + _closest(key, value, allowed))
+    return [Problem(key, choice_text(key, value, allowed))
             for key, (value, allowed) in choices(c).items() if value not in allowed]
-
-
-def _closest(key: str, value, allowed: tuple) -> str:
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-    return f"did you mean {key}={close[0]}?" if close else f"e.g. {key}={allowed[0]}"
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
     from hpctrain.config import parse
+    from hpctrain.schema import register
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir or f"outputs/sbatch/{datetime.now():%Y-%m-%d_%H-%M-%S}").absolute()
     conf_dir = Path(__file__).resolve().parents[2] / "conf"
+    register()
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         composed = compose(config_name="config", overrides=list(a.overrides))
     try:

@@ -24,7 +24,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tied_embeddings: bool = False
-    attention: str = "sdpa"
+    attention: str = "sdpa"  # a name of the ops.attention registry (validate_keys.REGISTRY_CHOICES)
 
     @property
     def head_dim(self) -> int:

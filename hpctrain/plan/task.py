@@ -9,13 +9,13 @@ logs a table; with `plan.search=true` also ranks every valid layout for `plan.n_
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config
+from hpctrain.config import Config, build
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.devices import DEVICES, lookup_device
 from hpctrain.plan.layout import Layout
@@ -23,18 +23,25 @@ from hpctrain.plan.report import format_plan_table, format_search_table, plan_re
 from hpctrain.plan.search import search_layouts
 
 log = logging.getLogger(__name__)
-DEFAULTS = {"search": False, "n_devices": None, "top": 5, "dp_overlap": 0.0,
-            "zero_stages": [0, 1, 2, 3], "schedules": ["1f1b", "interleaved_1f1b", "zb_h1"]}
 
 
-def plan_settings(cfg: Config) -> dict[str, Any]:
-    raw = cfg.extra.get("plan") or {}
-    for key in raw:
-        if key not in DEFAULTS:
-            close = difflib.get_close_matches(key, list(DEFAULTS), n=1)
-            hint = f" Did you mean plan.{close[0]}?" if close else ""
-            raise ValueError(f"unknown key plan.{key}; valid keys: {', '.join(DEFAULTS)}.{hint}")
-    return {**DEFAULTS, **raw}
+@dataclass(frozen=True)
+class PlanConfig:
+    """The `plan` group (task=plan). Ranges: validate_keys.PLAN_RANGES; zero_stages and
+    schedules (a registry) are checked by validate.check_plan."""
+
+    search: bool = False  # rank every valid layout of n_devices, not only the configured one
+    n_devices: int | None = None  # devices to lay out when searching (None: nodes × procs)
+    top: int = 5  # layouts listed by the search
+    dp_overlap: float = 0.0  # fraction of dp gradient communication hidden behind backward
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the search tries these ZeRO stages ...
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zb_h1")  # ... and schedules
+
+
+def plan_settings(cfg: Config) -> PlanConfig:
+    """The `plan` group of `cfg.extra` as a PlanConfig; ValueError naming every unknown (with
+    a "did you mean") or mistyped key."""
+    return build(PlanConfig, "plan", cfg.extra.get("plan") or {})
 
 
 def cluster_spec(cfg: Config) -> ClusterSpec:
@@ -89,16 +96,16 @@ def run_plan(cfg: Config) -> dict[str, Any]:
                   seq_len=t.seq_len, precision=t.precision)
     report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
                          recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
-                         dp_overlap=settings["dp_overlap"], **common)
+                         dp_overlap=settings.dp_overlap, **common)
     log.info("plan for %s on %s:\n%s", cfg.model.name, cluster.device.name,
              format_plan_table(report))
-    if settings["search"]:
-        n = settings["n_devices"] or cfg.cluster.world_size
-        found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings["dp_overlap"],
-                               schedules=settings["schedules"],
-                               zero_stages=settings["zero_stages"], **common)
+    if settings.search:
+        n = settings.n_devices or cfg.cluster.world_size
+        found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings.dp_overlap,
+                               schedules=list(settings.schedules),
+                               zero_stages=list(settings.zero_stages), **common)
         log.info("best layouts for %d devices:\n%s", n,
-                 format_search_table(found, top=settings["top"]))
+                 format_search_table(found, top=settings.top))
         report["search"] = [_candidate_json(c) for c in found]
     out = Path(cfg.run_dir) / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import yaml
 
 from hpctrain.models.config import PRESETS
 from tests.conftest import CONF, ROOT, compose, make_config
@@ -49,7 +48,9 @@ def test_default_config_parses(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_model_yaml_matches_preset(name):
-    data = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(compose([f"model={name}"]).model)  # the preset + the schema
     assert data == dataclasses.asdict(PRESETS[name])
 
 

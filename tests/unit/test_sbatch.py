@@ -54,8 +54,10 @@ def test_slurm_config_composes_launcher_from_cluster():
     from hydra import compose as hc
     from hydra import initialize_config_dir
 
+    from hpctrain.schema import register
     from tests.conftest import CONF
 
+    register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         full = hc(config_name="config", overrides=["cluster=example_site", "parallel.dp=16"],
                   return_hydra_config=True)

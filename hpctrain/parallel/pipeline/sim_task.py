@@ -8,14 +8,14 @@ schedule as CSV) and `timeline.png` into the run directory and logs a short tabl
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import json
 import logging
-import numbers
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config
+from hpctrain.config import Config, build
 from hpctrain.parallel.pipeline.actions import Schedule
 from hpctrain.parallel.pipeline.report import format_table, simulation_report
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -23,24 +23,24 @@ from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 
 log = logging.getLogger(__name__)
-DEFAULT_COSTS = {"t_f": 1.0, "t_b": 1.0, "t_w": 1.0, "t_comm": 0.0}
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    """The `simulate` group (task=simulate): costs of one stage-microbatch, any time unit."""
+
+    t_f: float = 1.0  # forward
+    t_b: float = 1.0  # input gradient (B)
+    t_w: float = 1.0  # weight gradient (W); a fused BW costs t_b + t_w
+    t_comm: float = 0.0  # one point-to-point hop
 
 
 def simulate_costs(cfg: Config) -> dict[str, float]:
     """The `simulate` group (from Config.extra) checked: known keys, non-negative numbers,
     t_f + t_b + t_w > 0. Raises ValueError naming the key and the fix."""
-    raw = cfg.extra.get("simulate") or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"simulate={raw!r} must be a group with keys {', '.join(DEFAULT_COSTS)}")
-    for key in raw:
-        if key not in DEFAULT_COSTS:
-            close = difflib.get_close_matches(key, list(DEFAULT_COSTS), n=1)
-            hint = f" Did you mean simulate.{close[0]}?" if close else ""
-            raise ValueError(f"unknown key simulate.{key}; valid keys: "
-                             f"{', '.join(DEFAULT_COSTS)}.{hint}")
-    costs = {**DEFAULT_COSTS, **raw}
+    costs = dataclasses.asdict(build(SimulateConfig, "simulate", cfg.extra.get("simulate") or {}))
     for key, value in costs.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+        if value < 0:
             raise ValueError(f"simulate.{key}={value!r} must be a number >= 0")
     if costs["t_f"] + costs["t_b"] + costs["t_w"] <= 0:
         raise ValueError("simulate.t_f + simulate.t_b + simulate.t_w must be > 0: give the "

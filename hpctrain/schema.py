@@ -1,0 +1,57 @@
+"""The typed dataclasses as Hydra schemas: one source of truth for every key and default.
+
+Each config group's keys and defaults are the fields of its dataclass (`SCHEMAS`). `register()`
+stores, for every group, a node `schema/<group>` holding those defaults in Hydra's ConfigStore;
+conf/config.yaml lists them first (task=plan and task=simulate add theirs), so a YAML option holds
+only what differs from the dataclass, and tests/unit/test_config_schema.py fails when one
+restates a default or the default option contradicts it.
+
+The node is a plain mapping of the defaults, not a structured config: OmegaConf does not accept
+`Literal` annotations, and a structured node would type-check values inside Hydra and refuse
+`~key` deletion. So Hydra supplies every key and its default, refuses a typo on the command line
+(`train.stpes=3`), and hands everything else — `+group.unknown=1`, a value of the wrong type or
+outside its choices — to `hpctrain.config.parse`, which reports all of them in one ValueError.
+Fields without a default (the model's shape) are left out: a preset sets them, and parse names
+the ones still missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hpctrain.bench.config import BenchConfig
+from hpctrain.config import _GROUPS, TaskConfig
+from hpctrain.parallel.pipeline.sim_task import SimulateConfig
+from hpctrain.plan.task import PlanConfig
+
+# Every group Hydra composes → its dataclass. bench/plan/simulate reach Config.extra and are
+# built by their tasks (bench.config.bench_config, plan.task.plan_settings, sim_task).
+SCHEMAS: dict[str, type] = {**_GROUPS, "task": TaskConfig, "bench": BenchConfig,
+                            "plan": PlanConfig, "simulate": SimulateConfig}
+
+
+def defaults_of(cls: type) -> dict[str, Any]:
+    """Field → default of dataclass `cls`, as plain YAML values (tuples become lists); fields
+    without a default are left out."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def register() -> None:
+    """Store `schema/<group>` for every group of SCHEMAS in Hydra's ConfigStore (idempotent).
+    Call it before composing conf/ (the entry point, hpctrain.launch.sbatch and the tests do)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, cls in SCHEMAS.items():
+        store.store(group="schema", name=group, node=defaults_of(cls),
+                    provider="hpctrain")

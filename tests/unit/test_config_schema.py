@@ -1,0 +1,150 @@
+"""One source of truth: the dataclasses own every key, default and choice; YAML holds only
+what differs from them (hpctrain.schema).
+
+`yaml_problems` reads every option file under conf/ and reports a value that restates its
+default (the dataclass's, or the option it inherits from) and, in the default option of each
+group (the one conf/config.yaml selects), any value the dataclass would not give: drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from hpctrain.config import _GROUPS, build
+from hpctrain.schema import SCHEMAS, defaults_of
+from hpctrain.validate_keys import REGISTRY_CHOICES, literal_table
+from tests.conftest import CONF, compose
+
+
+def _plain(value: Any) -> Any:
+    """Lists as tuples (YAML lists vs dataclass tuples), recursively."""
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of the same kind (1 == 1.0 counts, True == 1 does not)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return _plain(a) == _plain(b)
+
+
+def _read(path: Path) -> tuple[dict[str, dict], list[str]]:
+    """group → its values in the file, and the sibling options it inherits (defaults list)."""
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    parents = [d for d in raw.pop("defaults", []) if isinstance(d, str) and d != "_self_"
+               and not d.startswith("/")]
+    if path.read_text().startswith("# @package _global_"):
+        return {g: v for g, v in raw.items() if g in SCHEMAS}, parents
+    return {path.parent.name: raw}, parents
+
+
+def _inherited(path: Path) -> dict[str, dict]:
+    """group → values the options `path` inherits from set (their own parents first)."""
+    values: dict[str, dict] = {}
+    for parent in _read(path)[1]:
+        parent_path = path.parent / f"{parent}.yaml"
+        for source in (_inherited(parent_path), _read(parent_path)[0]):
+            for group, keys in source.items():
+                values.setdefault(group, {}).update(keys)
+    return values
+
+
+def _default_options(conf: Path) -> set[Path]:
+    """The option file of each group that conf/config.yaml selects."""
+    entries = OmegaConf.to_container(OmegaConf.load(conf / "config.yaml"))["defaults"]
+    return {conf / group / f"{option}.yaml" for entry in entries if isinstance(entry, dict)
+            for group, option in entry.items() if group in SCHEMAS}
+
+
+def yaml_problems(conf: Path) -> list[str]:
+    """Every restated default, drifted default-option value and unknown key under `conf`."""
+    problems, default_options = [], _default_options(conf)
+    for path in sorted(p for p in conf.glob("*/*.yaml") if p.parent.name in SCHEMAS):
+        inherited = _inherited(path)
+        for group, values in _read(path)[0].items():
+            schema = defaults_of(SCHEMAS[group])
+            names = {f.name for f in dataclasses.fields(SCHEMAS[group])}
+            for key, value in (values or {}).items():
+                where = f"{path.relative_to(conf)}: {group}.{key}={value!r}"
+                if key not in names:
+                    problems.append(f"{where} is not a field of {SCHEMAS[group].__name__}")
+                    continue
+                if isinstance(value, str) and "${" in value:
+                    continue  # computed (resolver, environment), not a restated literal
+                base = inherited.get(group, {})
+                if key in base or key in schema:
+                    default = base[key] if key in base else schema[key]
+                    if _same(value, default):
+                        problems.append(f"{where} restates the default: delete the line")
+                if path in default_options and key in schema and not _same(value, schema[key]):
+                    problems.append(f"{where} in the default option contradicts "
+                                    f"{SCHEMAS[group].__name__}.{key}={schema[key]!r}: "
+                                    "change the dataclass default (drift)")
+    return problems
+
+
+def test_yaml_holds_only_differences_from_the_schema():
+    assert yaml_problems(CONF) == []
+
+
+def test_restated_and_drifted_values_are_found(tmp_path):
+    """The check itself can fail: a restated key, a drifted default, a typo."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    with (conf / "train" / "default.yaml").open("a") as f:
+        f.write("steps: 200\neval_every: 100\n")
+    with (conf / "train" / "debug.yaml").open("a") as f:
+        f.write("stpes: 3\n")
+    with (conf / "cluster" / "slurm_local.yaml").open("a") as f:
+        f.write("  launcher: slurm\n")  # what cluster/slurm.yaml (its parent) already sets
+    found = "\n".join(yaml_problems(conf))
+    assert "train/default.yaml: train.steps=200 restates the default" in found
+    assert "train.eval_every=100 in the default option contradicts" in found
+    assert "TrainConfig.eval_every=50" in found
+    assert "train.stpes=3 is not a field of TrainConfig" in found
+    assert "cluster/slurm_local.yaml: cluster.launcher='slurm' restates" in found
+    assert len(yaml_problems(conf)) == 4
+
+
+@pytest.mark.parametrize("group", sorted(set(SCHEMAS) - {"plan", "simulate"}))
+def test_composed_group_has_every_key_and_default(group):
+    """With no overrides Hydra supplies every field (what `--cfg job` prints) at the
+    dataclass default; the model preset adds its shape."""
+    composed = OmegaConf.to_container(compose(["task=bench"] if group == "bench" else []),
+                                      resolve=True)[group]
+    names = [f.name for f in dataclasses.fields(SCHEMAS[group])]
+    assert sorted(composed) == sorted(names)
+    schema = defaults_of(SCHEMAS[group])
+    differ = {k: v for k, v in composed.items() if k in schema and not _same(v, schema[k])}
+    assert differ == {} or (group == "data" and set(differ) <= {"cache_dir"})  # environment
+
+
+@pytest.mark.parametrize("task", ["plan", "simulate"])
+def test_task_groups_are_typed(task):
+    composed = compose([f"task={task}"])[task]
+    assert OmegaConf.to_container(composed) == defaults_of(SCHEMAS[task])
+    with pytest.raises(ValueError, match=f"{task}.[a-z_]+='x' should be"):
+        build(SCHEMAS[task], task, {next(iter(composed)): "x"} if task == "simulate" else
+              {"top": "x"})
+
+
+def test_choices_come_from_the_literal_annotations():
+    table = literal_table()
+    assert table["train.precision"] == ("fp32", "bf16", "fp16")
+    assert table["task"] == ("train", "simulate", "bench", "plan")
+    hints = {f"{g}.{k}": h for g, cls in _GROUPS.items()
+             for k, h in typing.get_type_hints(cls).items()}
+    assert all(typing.get_origin(hints[k]) is typing.Literal for k in table if k != "task")
+    assert not set(REGISTRY_CHOICES) & set(table)  # a registry key is not also a Literal
+    with pytest.raises(ValueError, match="train.precision='fp64' is not one of 'fp32', "
+                                         "'bf16', 'fp16': did you mean train.precision=fp16"):
+        build(_GROUPS["train"], "train", {"precision": "fp64"})
