@@ -214,7 +214,8 @@ class Trainer:
             return True
         if preempt.stop_agreed(device=self.mesh.device):
             extra["stopped_by_signal"] = True
-            log.warning("stop requested by a signal: checkpointing at step %d", self.step)
+            source = "Slurm" if self.cfg.cluster.launcher == "slurm" else "a signal"
+            log.warning("stop requested by %s: checkpointing at step %d", source, self.step)
             return True
         return False
 

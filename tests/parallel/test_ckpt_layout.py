@@ -9,16 +9,9 @@ import pytest
 
 from hpctrain.train import checkpoint as ckpt
 from tests.conftest import get_world
-from tests.parallel.trainer_runs import logged_trajectory, train_in_world
+from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory, train_in_world
 
 STOP = 2
-
-
-def _close(got, want):
-    assert len(got) == len(want)
-    for (loss, norm), (loss1, norm1) in zip(got, want, strict=True):
-        assert loss == pytest.approx(loss1, rel=1e-5)
-        assert norm == pytest.approx(norm1, rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +32,9 @@ def test_tp2_checkpoint_resumes_at_tp1_tp2_tp4(world2, world4, tmp_path, referen
     path = _saved(world2, ["parallel.tp=2"], tmp_path)
     resume = f"train.resume={path}"
     tp1 = get_world(1).run(train_in_world, [resume], str(tmp_path / "tp1"))[0]
-    _close(tp1, reference[STOP:])
+    assert_trajectory_close(tp1, reference[STOP:])
     tp4 = world4.run(train_in_world, ["parallel.tp=4", resume], str(tmp_path / "tp4"))
-    _close(logged_trajectory(tp4), reference[STOP:])
+    assert_trajectory_close(logged_trajectory(tp4), reference[STOP:])
     tp2 = world2.run(train_in_world, ["parallel.tp=2", resume], str(tmp_path / "tp2"))
     straight = world2.run(train_in_world, ["parallel.tp=2"], str(tmp_path / "tp2_straight"))
     assert tp2[0] == straight[0][STOP:]  # same layout: bit-identical
@@ -50,4 +43,4 @@ def test_tp2_checkpoint_resumes_at_tp1_tp2_tp4(world2, world4, tmp_path, referen
 def test_pp2_checkpoint_resumes_at_pp1(world2, tmp_path, reference):
     path = _saved(world2, ["parallel=pp2", "parallel.schedule=1f1b"], tmp_path)
     pp1 = get_world(1).run(train_in_world, [f"train.resume={path}"], str(tmp_path / "pp1"))[0]
-    _close(pp1, reference[STOP:])
+    assert_trajectory_close(pp1, reference[STOP:])

@@ -12,16 +12,9 @@ import torch.distributed.checkpoint as dcp
 
 from hpctrain.train import checkpoint as ckpt
 from tests.conftest import get_world
-from tests.parallel.trainer_runs import train_in_world
+from tests.parallel.trainer_runs import assert_trajectory_close, train_in_world
 
 TIED, STOP = "model.tied_embeddings=true", 2
-
-
-def _close(got, want):
-    assert len(got) == len(want)
-    for (loss, norm), (loss1, norm1) in zip(got, want, strict=True):
-        assert loss == pytest.approx(loss1, rel=1e-5)
-        assert norm == pytest.approx(norm1, rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +28,14 @@ def reference(tmp_path_factory) -> list[tuple[float, float]]:
 def test_pp2_tied_matches_single_process(world2, tmp_path, reference, extra):
     runs = world2.run(train_in_world, ["parallel=pp2", TIED, *extra], str(tmp_path))
     for run in runs:  # the loss is shared over the pp group: both ranks report it
-        _close(run, reference)
+        assert_trajectory_close(run, reference)
 
 
 def test_pp2_tp2_tied_matches_single_process(world4, tmp_path, reference):
     """The pair groups are per tp coordinate: each vocab shard of E is summed with its own."""
     runs = world4.run(train_in_world, ["parallel=pp2", "parallel.tp=2", TIED], str(tmp_path))
     for run in runs:
-        _close(run, reference)
+        assert_trajectory_close(run, reference)
 
 
 def test_pp2_tied_checkpoint_holds_e_once_and_resumes_at_pp1(world2, tmp_path, reference):
@@ -58,7 +51,7 @@ def test_pp2_tied_checkpoint_holds_e_once_and_resumes_at_pp1(world2, tmp_path, r
     assert "model.tok_embeddings.weight" in keys
     assert not any("output.weight" in k for k in keys)
     pp1 = get_world(1).run(train_in_world, [TIED, f"train.resume={path}"], str(tmp_path / "r"))
-    _close(pp1[0], reference[STOP:])
+    assert_trajectory_close(pp1[0], reference[STOP:])
     pp2 = world2.run(train_in_world, ["parallel=pp2", TIED, f"train.resume={path}"],
                      str(tmp_path / "r2"))  # torch AdamW path: E read back into both copies
-    _close(pp2[1], reference[STOP:])
+    assert_trajectory_close(pp2[1], reference[STOP:])

@@ -40,3 +40,13 @@ def train_in_world(overrides: list[str], run_dir: str) -> list[tuple[float, floa
 def logged_trajectory(runs):
     """The trajectory as seen by the logging rank (loss is NaN off the last pipeline stage)."""
     return next(r for r in runs if r and r[0][0] == r[0][0])
+
+
+def assert_trajectory_close(got, want) -> None:
+    """(loss, grad norm) per step equal to fp32 tolerance (losses 1e-5, norms 1e-4 relative)."""
+    import pytest
+
+    assert len(got) == len(want)
+    for (loss, norm), (loss1, norm1) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss1, rel=1e-5)
+        assert norm == pytest.approx(norm1, rel=1e-4)

@@ -170,12 +170,12 @@ def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
 
 
 def test_sweep_two_points_summary(slurm_cluster, tmp_path):
-    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "optim.lr=1e-4,3e-3",
+    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "optim.lr=1e-3,3e-3",
                       f"hydra.sweep.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "ok"]
-    assert [r["overrides"][-1] for r in rows] == ["optim.lr=0.0001", "optim.lr=0.003"]
+    assert [r["overrides"][-1] for r in rows] == ["optim.lr=0.001", "optim.lr=0.003"]
     assert all(isinstance(r["final_loss"], float) for r in rows)
     table = (tmp_path / "sweep_summary.md").read_text()
     assert "| 1 | ok | optim.lr=0.003 |" in table
@@ -188,12 +188,14 @@ def test_sweep_two_points_summary(slurm_cluster, tmp_path):
 
 
 def test_sweep_with_failing_point_reports_it(slurm_cluster, tmp_path):
-    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL,
-                      "train.resume=auto,/nonexistent/checkpoint", f"hydra.sweep.dir={tmp_path}"])
+    # A point that passes validation and fails while training: its loss blows up to NaN at
+    # step 2 and the NaN guard stops it (a bad path would now stop the sweep before launch).
+    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "train.grad_clip=0",
+                      "optim.warmup_steps=0", "optim.lr=3e-3,1e4", f"hydra.sweep.dir={tmp_path}"])
     assert proc.returncode != 0
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "failed"], rows
-    assert rows[1]["error"] and "nonexistent" in (tmp_path / "1" / "error.txt").read_text()
+    assert rows[1]["error"] and "non-finite" in (tmp_path / "1" / "error.txt").read_text()
     assert any(p.endswith("_1_0_log.err") for p in rows[1]["logs"]), rows[1]["logs"]
     table = (tmp_path / "sweep_summary.md").read_text()
     assert "point 1 failed" in table and "| 0 | ok |" in table
