@@ -80,12 +80,19 @@ class PipelineRuntime:
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
         self.loss_multiplier = loss_multiplier
-        param = next(local.parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self._param = next(local.parameters())
+        self.device = self._param.device
         self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
         self._eval_actions: dict[int, tuple[Action, ...]] = {}  # n microbatches → F path
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activations travel in the parameters' dtype, read at each use: the data-parallel
+        engine casts the parameters to 16 bits (bf16/fp16) after the runtime is built, and a
+        receive buffer of another dtype than the sender's tensor corrupts the message."""
+        return self._param.dtype
 
     def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None
              ) -> PipelineResult:
