@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hpctrain import config, schema, tasks
-from hpctrain.errors import RunStopped
+from hpctrain.errors import RunStopped, end_process
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
 
 log = logging.getLogger("hpctrain")
@@ -39,10 +38,7 @@ def main(cfg: DictConfig) -> dict | None:
         if _in_sweep():
             raise
         code = err.exit_code if isinstance(err, RunStopped) else 2
-    # Out of the except block, with the traceback's frames collected: the rank's objects
-    # (process groups and their threads) go now, not during interpreter shutdown.
-    gc.collect()
-    sys.exit(code)
+    end_process(code)
 
 
 def _redact_hydra_outputs() -> None:

@@ -8,6 +8,10 @@ traceback.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 
 class RunStopped(RuntimeError):
     """The run stopped for a reason the message explains (with the fix)."""
@@ -24,3 +28,17 @@ class NonFiniteError(RunStopped):
     """A non-finite loss, gradient norm or checkpoint state stopped training."""
 
     exit_code = 3
+
+
+def end_process(code: int) -> None:
+    """Exit with `code` after the message is out, skipping the interpreter's teardown: a rank's
+    process-group and watchdog threads destroyed during that teardown can abort the process
+    ("terminate called without an active exception", status -6) and replace the intended
+    exit code. Every log handler and stdio stream is flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpctrain.config import Config
-from hpctrain.errors import RunStopped
+from hpctrain.errors import RunStopped, end_process
 from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
 from hpctrain.launch.worker import TaskFn, run_rank
@@ -61,11 +60,11 @@ def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, 
     except RunStopped as err:  # an agreed stop: hand the message over, exit without a traceback
         pipe.send({"stopped": str(err), "exit_code": err.exit_code})
         pipe.close()
-        sys.exit(err.exit_code)
+        end_process(err.exit_code)
     except ValueError as err:  # a user-facing refusal found inside the ranks (e.g. resume)
         pipe.send({"stopped": str(err), "exit_code": 2})
         pipe.close()
-        sys.exit(2)
+        end_process(2)
     pipe.send(out)
     pipe.close()
 

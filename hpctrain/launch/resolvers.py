@@ -35,13 +35,20 @@ def setup_lines(setup: Sequence[str] | None, env: Mapping[str, object] | None) -
     return [str(s) for s in (setup or [])] + env_exports(env)
 
 
+def launcher_setup(setup: Sequence[str] | None, env: Mapping[str, object] | None) -> list[str]:
+    """The submitit job script's setup: `setup_lines`, then SLURM_KILL_BAD_EXIT=1 so srun ends
+    the whole step when one rank fails (submitit's srun has no --kill-on-bad-exit, and a rank
+    the watchdog stopped on would otherwise keep a stopped peer's job alive to its limit)."""
+    return [*setup_lines(setup, env), "export SLURM_KILL_BAD_EXIT=1"]
+
+
 def register() -> None:
     from omegaconf import OmegaConf
 
     resolvers = {
         "hpctrain.nodes": nodes_for,
         "hpctrain.gres": gres_for,
-        "hpctrain.setup": lambda setup, env: setup_lines(_plain(setup), _plain(env)),
+        "hpctrain.setup": lambda setup, env: launcher_setup(_plain(setup), _plain(env)),
     }
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.launch.resolvers import gres_for, nodes_for, setup_lines
+from hpctrain.launch.resolvers import gres_for, launcher_setup, nodes_for, setup_lines
 from hpctrain.launch.sbatch import main, render_sbatch
 from tests.conftest import compose, make_config
 
@@ -78,3 +78,9 @@ def test_resolvers():
 def test_world_not_filling_nodes_is_refused():
     with pytest.raises(ValueError, match="parallel.dp=3"):
         make_config(["cluster=slurm_local", "parallel.dp=3"])
+
+
+def test_submitit_jobs_end_when_one_rank_fails():
+    """srun under submitit has no --kill-on-bad-exit: the job script exports its variable."""
+    assert launcher_setup(["module load x"], {"A": 1}) == [
+        "module load x", "export A=1", "export SLURM_KILL_BAD_EXIT=1"]

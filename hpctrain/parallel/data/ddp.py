@@ -124,10 +124,13 @@ class GradReducer:
         self._pending.append(_Pending(unit, work, out))
 
     def finish(self) -> None:
-        """Issue units that never completed (unused parameters), wait for all, average."""
+        """Issue units that never completed (unused parameters, or gradients that did not come
+        through autograd: a pipeline's deferred weight gradients are assigned in its W actions,
+        so no hook adopts them into the bucket), wait for all, average."""
         for unit in self.units:
             if unit.index not in self._issued:
                 self._ready[unit.index] = 0
+                unit.adopt_grads()
                 unit.fill_missing_grads()
                 self._issue(unit)
         for pending in self._pending:

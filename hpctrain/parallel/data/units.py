@@ -103,6 +103,12 @@ class FlatUnit:
         for i, p in enumerate(self.params):
             p.grad = self._view(self.grad_full, i)
 
+    def adopt_grads(self) -> None:
+        """`adopt_grad` for every parameter (zero < 2): gradients assigned outside autograd."""
+        if self.grad_full is not None:
+            for i in range(len(self.params)):
+                self.adopt_grad(i)
+
     def adopt_grad(self, i: int) -> None:
         """Keep p.grad a view of grad_full even if autograd replaced it (out-of-place add)."""
         p, view = self.params[i], self._view(self.grad_full, i)
