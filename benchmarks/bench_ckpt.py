@@ -31,9 +31,12 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from hpctrain.config import OptimConfig  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
+from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.train import checkpoint as ckpt  # noqa: E402
 from hpctrain.train import ckpt_catalog, manifest  # noqa: E402
+from hpctrain.train.scaler import LossScaler  # noqa: E402
 
 
 def _evict(directory: Path) -> None:
@@ -48,18 +51,19 @@ def _evict(directory: Path) -> None:
 
 
 def _model(name: str, dim: int | None, layers: int | None) -> tuple[ModelConfig, torch.nn.Module,
-                                                                   torch.optim.Optimizer]:
+                                                                   DataParallel]:
     preset = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
     cfg = ModelConfig(**OmegaConf.to_container(preset))
     if dim or layers:
         cfg = cfg.with_(dim=dim or cfg.dim, n_layers=layers or cfg.n_layers,
                         ffn_dim=int(8 * (dim or cfg.dim) / 3) // 64 * 64)
     model = build_model(cfg, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine = DataParallel(model, group=dist.group.WORLD, zero=0, precision="fp32",
+                          optim=OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
-    model(tokens).float().mean().backward()
-    opt.step()
-    return cfg, model, opt
+    engine.train_step([(tokens, tokens)], n_micro=1, precision="fp32",
+                      scaler=LossScaler(enabled=False), grad_clip=1.0)
+    return cfg, model, engine
 
 
 class _HashClock:
@@ -79,7 +83,7 @@ class _HashClock:
 def _round(run_dir: Path, step: int, cfg, model, opt, clock: _HashClock) -> dict[str, float]:
     clock.seconds = 0.0
     t0 = time.perf_counter()
-    path = ckpt.save(ckpt.checkpoint_dir(run_dir, step), model=model, optimizer=opt,
+    path = ckpt.save(ckpt.checkpoint_dir(run_dir, step), model=model, engine=opt,
                      train_state={"step": step, "dp": 1, "tp": 1, "pp": 1, "zero": 0},
                      rank_state={}, model_config=cfg, keep=1)
     save_s = time.perf_counter() - t0
@@ -91,11 +95,11 @@ def _round(run_dir: Path, step: int, cfg, model, opt, clock: _HashClock) -> dict
     verified = ckpt_catalog.verify(path)
     cold_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt.load(verified, model=model, optimizer=opt, model_config=cfg)
+    ckpt.load(verified, model=model, engine=opt, model_config=cfg)
     load_s = time.perf_counter() - t0
     _evict(path)
     t0 = time.perf_counter()
-    ckpt.load(verified, model=model, optimizer=opt, model_config=cfg)  # Verified: no re-check
+    ckpt.load(verified, model=model, engine=opt, model_config=cfg)  # Verified: no re-check
     load_cold_s = time.perf_counter() - t0
     mb = sum(e["size"] for e in verified.manifest["files"].values()) / 1e6
     return {"mb": mb, "save_s": save_s, "hash_s": clock.seconds, "verify_warm_s": warm_s,

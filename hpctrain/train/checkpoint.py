@@ -30,9 +30,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.state import full_model_state, full_optim_state, load_full_state
 from hpctrain.train import ckpt_catalog as catalog
 from hpctrain.train import ckpt_layout, manifest, safe_dcp
 from hpctrain.train.manifest import Unverified, Verified
@@ -152,7 +153,7 @@ def _from_rank0(fn: Callable[[], T]) -> T:
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save(path: Path, *, model: torch.nn.Module, engine: DataParallel,
          train_state: dict[str, Any], rank_state: dict[str, Any],
          model_config: ModelConfig | None = None, keep: int = 2) -> Path:
     """Collective: every rank calls it at the same step. `train_state` holds "step" and the
@@ -163,8 +164,8 @@ def save(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if rank == 0:  # a killed save's leftovers must not end up in this one's manifest
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    full = ckpt_layout.to_full(model, {"model": model_sd, "optim": optim_sd})  # tp: collective
+    state = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
+    full = ckpt_layout.to_full(model, state)  # tp: collective
     dcp.save(full, checkpoint_id=str(partial))
     torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
     digests = manifest.digest_files(partial, names=_written_by(partial, rank=rank))
@@ -206,58 +207,14 @@ def _seal(partial: Path, path: Path, *, digests: list[dict], train_state: dict[s
     catalog.remember(path, reason=None)
 
 
-def _state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """FQN-keyed model and optimizer state. A data-parallel engine's sharded optimizer
-    (hpctrain.parallel.data) provides full tensors assembled from its shards."""
-    engine = getattr(optimizer, "engine", None)
-    if engine is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        for alias in shared_aliases(model):  # a tied tensor is saved once, as the engine does
-            model_sd.pop(alias, None)
-        return model_sd, optim_sd
-    from hpctrain.parallel.data.state import full_model_state, full_optim_state
-
-    return full_model_state(engine), full_optim_state(engine)
-
-
-def shared_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Second names of a parameter registered twice (tied embeddings: `output.weight`) → its
-    first name (`tok_embeddings.weight`), the one `named_parameters` and checkpoints use."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
-def _load_replicated_or_tp(path: Path, model, optimizer, current: dict) -> None:
-    """torch AdamW path (tp or pp layouts): read full tensors, slice to this rank's plan.
-    Param groups (hyperparameters, membership) stay this run's: the data-parallel engine's
-    checkpoints do not carry them, and a different layout has other groups anyway."""
-    state = ckpt_layout.full_template(model, current)
-    groups = state["optim"].pop("param_groups", None)
-    _dcp_load(state, path)
-    if groups is not None:
-        state["optim"]["param_groups"] = groups
-    state = ckpt_layout.to_local(model, state, current=current)
-    for alias, owner in shared_aliases(model).items():
-        state["model"][alias] = state["model"][owner]
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-
-
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
     dcp.load(state, storage_reader=safe_dcp.SafeReader(str(path)),
              planner=safe_dcp.SafePlanner())
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
-         optimizer: torch.optim.Optimizer, model_config: ModelConfig | None = None
-         ) -> tuple[dict[str, Any], dict[str, Any]]:
+def load(checkpoint: Verified | Path, *, model: torch.nn.Module, engine: DataParallel,
+         model_config: ModelConfig | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: load model and optimizer in place; returns (train_state, this rank's
     rank_state). A Path is verified first (`agreed_check`); nothing in the
     directory is read before that. With `model_config`, a checkpoint of another model shape
@@ -269,20 +226,14 @@ def load(checkpoint: Verified | Path, *, model: torch.nn.Module,
     if model_config is not None:
         _refuse_other_shape(verified, model=model_config)
     rank_state = _agreed(path, read=lambda: _read_rank_state(path))
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    engine = getattr(optimizer, "engine", None)
-    if engine is not None:
-        from hpctrain.parallel.data.state import load_full_state
-
-        # Full tensors over dp (the engine's state) and over tp (ckpt_layout): read full-size
-        # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
-        state = ckpt_layout.full_template(model, {"model": model_sd, "optim": optim_sd})
-        state["optim"].pop("param_groups", None)
-        _dcp_load(state, path)
-        state = ckpt_layout.to_local(model, state, current={})
-        load_full_state(engine, state["model"], state["optim"])
-    else:
-        _load_replicated_or_tp(path, model, optimizer, {"model": model_sd, "optim": optim_sd})
+    # Full tensors over dp (the engine's state) and over tp (ckpt_layout): read full-size
+    # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
+    current = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
+    state = ckpt_layout.full_template(model, current)
+    state["optim"].pop("param_groups", None)
+    _dcp_load(state, path)
+    state = ckpt_layout.to_local(model, state, current={})
+    load_full_state(engine, state["model"], state["optim"])
     train_state = json.loads((path / "train_state.json").read_text())
     torch.set_rng_state(rank_state["rng"]["torch"])
     return train_state, rank_state

@@ -1,10 +1,10 @@
 """The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
-schedule, reduce and clip gradients, measure the bubble. With parallel.tp > 1 the stages are
-tensor-parallel (hpctrain.parallel.pipeline.tp_stages): replicated gradients are synced over tp
-before the dp average and the clip norm is that of the unsharded model. With parallel.zero ≥ 1
-the update is the data-parallel engine's (sharded AdamW over dp, the same tp sync and norm via
-`engine_axes`): the schedule runs under its reducer's no_sync, so no dp collective interleaves
-with the pipeline's p2p, and the reduction runs after the schedule on every rank.
+schedule, measure the bubble; the update is the data-parallel engine's, as for every layout
+(hpctrain.parallel.data: reduction over dp, the global norm over dp shards, tp and pp, clip,
+AdamW, ZeRO 0-2). With parallel.tp > 1 the stages are tensor-parallel
+(hpctrain.parallel.pipeline.tp_stages) and `engine_axes` gives the engine the tp gradient sync
+and the norm of the unsharded model. The schedule runs under the engine reducer's no_sync, so
+no dp collective interleaves with the pipeline's p2p: the reduction runs after the schedule.
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
@@ -24,7 +24,6 @@ the pp ranks (the worst rank, like the simulator's bubble rate that takes the sl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models.checkpointing import apply_activation_checkpointing
-from hpctrain.parallel.finite import SKIPPED, NormVerdict, reduce_norm
+from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -45,7 +44,7 @@ from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
 from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
-from hpctrain.parallel.tensor import TensorParallelPlan, sync_tp_grads
+from hpctrain.parallel.tensor import TensorParallelPlan
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import StepResult, allreduce_mean
 
@@ -88,10 +87,10 @@ class PipelineEngine:
     def holds_loss(self) -> bool:
         return self.schedule.n_stages - 1 in self.local.stages
 
-    def train_step(self, optimizer: torch.optim.Optimizer, micro_batches, *, scaler: LossScaler,
-                   grad_clip: float, engine=None) -> tuple[StepResult, dict[str, float]]:
-        """One batch through the schedule, then the update: with a data-parallel `engine`
-        (ZeRO) its reducer and sharded optimizer, else a flat dp all-reduce and `optimizer`."""
+    def train_step(self, engine: DataParallel, micro_batches, *, scaler: LossScaler,
+                   grad_clip: float) -> tuple[StepResult, dict[str, float]]:
+        """One batch through the schedule, then the update of the data-parallel `engine`
+        (the one update path of every layout: reduction, global norm, clip, AdamW)."""
         pp_group = self.mesh.group("pp")
         multiplier = scaler.loss_multiplier()
         self.runtime.loss_multiplier = multiplier
@@ -99,18 +98,14 @@ class PipelineEngine:
         start = time.perf_counter()
         # The engine's bucket hooks must not issue dp collectives between the schedule's p2p
         # messages: gradients only accumulate during the schedule, reduction comes after.
-        with engine.reducer.no_sync() if engine is not None else contextlib.nullcontext():
+        with engine.reducer.no_sync():
             result = self.runtime.step(list(micro_batches), start=start)
         span = time.perf_counter() - start
         self.last_timeline = result.timeline
         loss = (result.loss_sum.to(torch.float64).reshape(()) if result.loss_sum is not None
                 else None)
-        if engine is not None:
-            step = engine.reduce_and_update(scaler=scaler, multiplier=multiplier,
-                                            grad_clip=grad_clip, loss=loss)
-        else:
-            step = self._update(optimizer, scaler=scaler, multiplier=multiplier,
-                                grad_clip=grad_clip, loss=loss)
+        step = engine.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                        grad_clip=grad_clip, loss=loss)
         # The update averaged the loss over dp on the last stage's rank; share it over pp.
         held = torch.tensor(step.loss) if self.holds_loss else None
         step.loss = float(last_stage_value(held, holds=self.holds_loss, group=pp_group,
@@ -134,37 +129,6 @@ class PipelineEngine:
 
         return {**axes, "pre_reduce": pre_reduce,
                 "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
-
-    def _update(self, optimizer, *, scaler: LossScaler, multiplier: float, grad_clip: float,
-                loss: torch.Tensor | None) -> StepResult:
-        """torch AdamW over this rank's stages: as the engine's reduce_and_update (dp average
-        of grads and loss, overflow, verdict, clip, step), with a flat dp all-reduce."""
-        pp_group = self.mesh.group("pp")
-        params = [p for p in self.local.parameters() if p.requires_grad]
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.tied is not None:
-            self.tied.sum_grads()
-        if self.tp_plan is not None:
-            sync_tp_grads(params, self.tp_plan)
-        allreduce_mean(grads, self.mesh.group("dp"))
-        if loss is not None:
-            allreduce_mean([loss], self.mesh.group("dp"))
-        # Under tp a shard's overflow is seen by one tp rank only: agree over the whole world.
-        overflow_group = pp_group if self.tp_plan is None else None
-        skipped = scaler.enabled and scaler.found_overflow(grads, group=overflow_group)
-        scaler.update(skipped)
-        verdict = SKIPPED
-        if not skipped:
-            if multiplier != 1.0:
-                torch._foreach_div_(grads, multiplier)
-            verdict = global_norm(params, group=pp_group, tp_plan=self.tp_plan, loss=loss,
-                                  replicas=self.tied.replicas if self.tied else None)
-            if verdict.nonfinite is None:
-                clip_to(params, grad_clip, norm=verdict.norm)
-                optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        return StepResult(float(loss) if loss is not None else math.nan, verdict.norm, skipped,
-                          verdict.nonfinite)
 
     def eval_loss(self, batches) -> float:
         """Mean loss over `batches`, forward only through the schedule's own F path
@@ -218,30 +182,6 @@ def _merged_replicas(*maps: dict[int, int] | None) -> dict[int, int]:
         for k, v in (m or {}).items():
             out[k] = out.get(k, 1) * v
     return out
-
-
-def global_norm(params: list[torch.nn.Parameter], *, group,
-                tp_plan: TensorParallelPlan | None = None,
-                loss: torch.Tensor | None = None,
-                replicas: dict[int, int] | None = None) -> NormVerdict:
-    """‖g‖ over all pipeline stages (squared norms summed over `group`) and, with a `tp_plan`,
-    over the unsharded model (each value counted once: ‖g_p‖² / replicas(p), summed over tp;
-    `replicas` adds parameters held by several pp ranks, e.g. tied embeddings), with the
-    non-finite verdict for it and `loss` (None on stages without the loss)."""
-    replicas = _merged_replicas(tp_plan.replicas if tp_plan is not None else None, replicas)
-    sq = torch.stack([p.grad.double().pow(2).sum() / replicas.get(id(p), 1)
-                      for p in params]).sum()
-    tp_group = tp_plan.group if tp_plan is not None else None
-    return reduce_norm(sq, loss=loss, groups=(tp_group, group))
-
-
-def clip_to(params: list[torch.nn.Parameter], max_norm: float, *, norm: float) -> None:
-    """Scale by max_norm / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does."""
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
 
 
 def measured_bubble(timeline: Timeline, span: float, *, group,

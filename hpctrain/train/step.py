@@ -1,8 +1,10 @@
-"""One optimizer step: micro-batch forward/backward, gradient averaging over dp, clipping.
+"""The pieces every step shares: the loss, autocast, a dp mean, the step's result, eval.
 
-Loss scaling is explicit: each micro-batch's loss is the mean over its tokens divided by the
-number of micro-batches, and gradients are averaged over data-parallel ranks, so the update
-equals that of the mean loss over the whole global batch on one process.
+The step itself is the data-parallel engine's for every layout (hpctrain.parallel.data.engine:
+micro-batch loop or pipeline schedule → one reducer → one global norm → clip → AdamW). Loss
+scaling is explicit: each micro-batch's loss is the mean over its tokens divided by the number
+of micro-batches, and gradients are averaged over data-parallel ranks, so the update equals
+that of the mean loss over the whole global batch on one process.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from hpctrain.train.scaler import LossScaler
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,44 +51,6 @@ def allreduce_mean(tensors: Iterable[torch.Tensor], group) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-               n_micro: int, precision: str, scaler: LossScaler, dp_group,
-               grad_clip: float, reduce_grads: Callable | None = None,
-               loss_fn: Callable = lm_loss, clip: Callable | None = None) -> StepResult:
-    params = [p for p in model.parameters() if p.requires_grad]
-    device = params[0].device
-    multiplier = scaler.loss_multiplier()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for inputs_BL, targets_BL in micro_batches:
-        with autocast(precision, device):
-            logits = model(inputs_BL.to(device))
-        loss = loss_fn(logits, targets_BL.to(device)) / n_micro
-        (loss * multiplier).backward()
-        loss_sum += loss.detach().double()
-    grads = [p.grad for p in params if p.grad is not None]
-    (reduce_grads or allreduce_mean)(grads, dp_group)
-    allreduce_mean([loss_sum], dp_group)
-    skipped = scaler.enabled and scaler.found_overflow(grads)
-    scaler.update(skipped)
-    norm = float("nan")
-    if not skipped:
-        if multiplier != 1.0:
-            torch._foreach_div_(grads, multiplier)
-        norm = (clip or _clip)(params, grad_clip)
-        optimizer.step()
-    # Keep the gradient buffers (zeroed) between steps: they are part of the steady-state
-    # memory the ledger reports, and reallocating them every step costs time.
-    optimizer.zero_grad(set_to_none=False)
-    return StepResult(float(loss_sum), norm, skipped)
-
-
-def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
 
 
 @torch.no_grad()

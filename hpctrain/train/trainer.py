@@ -21,7 +21,6 @@ from hpctrain.config import Config
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt
-from hpctrain.metrics.memory import model_state_ledger, optimizer_tensors
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
@@ -31,7 +30,7 @@ from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.data import Sampler, TokenDataset, batch
-from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.prepare import prepare
@@ -64,18 +63,15 @@ class Trainer:
             apply_activation_checkpointing(self.model, t.activation_checkpointing)
             self.model.to(mesh.device)
         self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
-        # Gradient reduction (bucketed) and the optimizer (sharded for zero > 0) live in the
-        # data-parallel engine (hpctrain/parallel/data), over the dp group on this rank's tp
-        # shard / pipeline stages. pp with plain DDP keeps torch AdamW and a flat all-reduce.
-        self.dp = None
-        if self.pipeline is None or _sharded_dp(cfg):
-            axes = engine_axes(self.model, self.tp_plan, mesh)
-            if self.pipeline is not None:  # + tied embeddings across stages
-                axes = self.pipeline.engine_axes(axes)
-            self.dp = build_data_parallel(self.model, cfg, mesh, **axes)
-            self.optimizer = self.dp.optimizer
-        else:
-            self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        # One update path for every layout: gradient reduction (bucketed), the global norm,
+        # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
+        # bf16/fp16) live in the data-parallel engine (hpctrain/parallel/data), over the dp
+        # group on this rank's tp shard / pipeline stages.
+        axes = engine_axes(self.model, self.tp_plan, mesh)
+        if self.pipeline is not None:  # + tied embeddings across stages
+            axes = self.pipeline.engine_axes(axes)
+        self.dp = build_data_parallel(self.model, cfg, mesh, **axes)
+        self.optimizer = self.dp.optimizer
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
@@ -117,7 +113,7 @@ class Trainer:
                  else ckpt.agreed_verified(Path(mode)))
         if found is None:
             return
-        train_state, rank_state = ckpt.load(found, model=self.model, optimizer=self.optimizer,
+        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
@@ -134,8 +130,7 @@ class Trainer:
                  "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
-        return ckpt.save(path, model=self.model,
-                         optimizer=self.optimizer, train_state=state,
+        return ckpt.save(path, model=self.model, engine=self.dp, train_state=state,
                          rank_state={"scaler": self.scaler.state_dict()},
                          model_config=self.cfg.model)
 
@@ -166,13 +161,11 @@ class Trainer:
     def _pipeline_step(self, step: int):
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
         needs the tokens, the last the targets) and runs its schedule (hpctrain.train.pipeline)."""
-        return self.pipeline.train_step(self.optimizer, self.micro_batches(step),
-                                        scaler=self.scaler, grad_clip=self.cfg.train.grad_clip,
-                                        engine=self.dp)
+        return self.pipeline.train_step(self.dp, self.micro_batches(step), scaler=self.scaler,
+                                        grad_clip=self.cfg.train.grad_clip)
 
     def memory_metrics(self) -> dict[str, int]:
-        ledger = (self.dp.ledger() if self.dp is not None else
-                  model_state_ledger(self.model.parameters(), optimizer_tensors(self.optimizer)))
+        ledger = self.dp.ledger()
         on_device = peak_memory_bytes(self.mesh.device)
         total = sum(ledger.values()) if self.mesh.device.type == "cpu" else on_device
         return {**ledger, "mem_bytes": total, "mem_peak_process_bytes": on_device}
@@ -256,7 +249,7 @@ class Trainer:
         """Reload `found` on every rank and skip the data of the steps since it, through the bad
         one: the data step is step + data_offset, so the sampler stays a pure function."""
         bad, path = self.step, found.path
-        train_state, rank_state = ckpt.load(found, model=self.model, optimizer=self.optimizer,
+        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
@@ -268,9 +261,7 @@ class Trainer:
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """This rank's weights and optimizer state (the engine's shards, or the module's)."""
-        if self.dp is not None:
-            return [u.shard for u in self.dp.units] + self.dp.optimizer.tensors()
-        return [*self.model.parameters(), *optimizer_tensors(self.optimizer)]
+        return [u.shard for u in self.dp.units] + self.dp.optimizer.tensors()
 
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
@@ -319,8 +310,3 @@ class Trainer:
                      schedule=schedule(wait=1, warmup=1, active=self.cfg.train.profile_steps),
                      on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
             yield prof
-
-
-def _sharded_dp(cfg: Config) -> bool:
-    p = cfg.parallel
-    return p.zero > 0 or p.offload != "none" or p.grad_comm_dtype != "fp32"

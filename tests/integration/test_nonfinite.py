@@ -110,7 +110,7 @@ def _pp_stop_on_rank(zero: int, run_dir: str) -> tuple[str, str, bool]:
     return "finished", "", False
 
 
-@pytest.mark.parametrize("zero", [0, 1], ids=["torch-adamw", "engine"])
+@pytest.mark.parametrize("zero", [0, 1], ids=["zero0", "zero1"])
 def test_pp2_every_stage_stops_on_a_last_stage_nan_loss(world2, tmp_path, zero):
     results = world2.run(_pp_stop_on_rank, zero, str(tmp_path))
     assert [r[0] for r in results] == ["stopped", "stopped"], results

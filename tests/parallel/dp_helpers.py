@@ -14,9 +14,8 @@ import torch.distributed as dist
 from hpctrain.config import OptimConfig
 from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
-from hpctrain.train.optim import build_optimizer
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import train_step
+from tests.parallel.reference_step import reference_optimizer, reference_step
 
 # eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
 # differences of tiny gradients (summed in another order) are amplified to O(lr).
@@ -39,15 +38,14 @@ def rank_micro_batches(step: int, *, dp: int, rank: int, accum: int, vocab: int)
 def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip=1.0):
     """Single process, the whole global batch split into dp·accum micro-batches."""
     model = build_model(PRESETS["debug"], seed=0).to(dtype)
-    opt = build_optimizer(model.named_parameters(), OPTIM)
+    opt = reference_optimizer(model, OPTIM)
     vocab = PRESETS["debug"].vocab_size
     for step in range(steps):
         x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
         n = dp * accum
         mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0),
                        strict=True))
-        train_step(model, opt, mbs, n_micro=n, precision="fp32", scaler=LossScaler(enabled=False),
-                   dp_group=None, grad_clip=grad_clip)
+        reference_step(model, opt, mbs, n_micro=n, grad_clip=grad_clip)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -133,7 +131,7 @@ def save_then_continue(path: str, *, zero: int, accum: int):
     model, engine = make_engine(zero=zero, dtype=torch.float64)
     for step in range(3):
         if step == 2:
-            ckpt.save(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer,
+            ckpt.save(ckpt.checkpoint_dir(path, 2), model=model, engine=engine,
                       train_state={"step": 2}, rank_state={})
         mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=512)
         loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
@@ -146,7 +144,7 @@ def load_and_continue(path: str, *, zero: int, accum: int):
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=zero, dtype=torch.float64)
-    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), model=model, optimizer=engine.optimizer)
+    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), model=model, engine=engine)
     mbs = rank_micro_batches(state["step"], dp=dp, rank=rank, accum=accum, vocab=512)
     loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
                              scaler=LossScaler(enabled=False), grad_clip=1.0).loss

@@ -18,11 +18,10 @@ from hpctrain.models import build_model
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.state import full_model_state
 from hpctrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from hpctrain.train.optim import build_optimizer
 from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import train_step
 from hpctrain.train.tensor_parallel import engine_axes
 from tests.parallel.dp_helpers import OPTIM
+from tests.parallel.reference_step import reference_optimizer, reference_step
 from tests.parallel.threed_reference import expected_slice, model_cfg
 from tests.parallel.trainer_runs import run_trainer
 
@@ -43,13 +42,12 @@ def _fp64_loss(logits_BLV, targets_BL):
 
 def _reference(cfg, steps: int, *, n: int):
     model = build_model(cfg, seed=SEED).double()
-    opt = build_optimizer(model.named_parameters(), OPTIM)
+    opt = reference_optimizer(model, OPTIM)
     norms = []
     for step in range(steps):
-        r = train_step(model, opt, _micro_batches(step, n=n, vocab=cfg.vocab_size), n_micro=n,
-                       precision="fp32", scaler=LossScaler(enabled=False), dp_group=None,
-                       grad_clip=CLIP, loss_fn=_fp64_loss)
-        norms.append(r.grad_norm)
+        _, norm = reference_step(model, opt, _micro_batches(step, n=n, vocab=cfg.vocab_size),
+                                 n_micro=n, grad_clip=CLIP, loss_fn=_fp64_loss)
+        norms.append(norm)
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
@@ -93,6 +91,5 @@ def train_params(overrides: list[str], run_dir: str):
     cfg = trainer.cfg
     params = None
     if cfg.parallel.tp == 1:
-        params = (full_model_state(trainer.dp) if trainer.dp is not None else
-                  {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        params = full_model_state(trainer.dp)
     return [(h["loss"], h["grad_norm"]) for h in trainer.history], params

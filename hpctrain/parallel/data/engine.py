@@ -76,7 +76,6 @@ class DataParallel:
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
         self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
                                       norm_groups=norm_groups, grad_replicas=grad_replicas)
-        self.optimizer.engine = self  # checkpoint.py reaches the state dict through it
 
     def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
                    grad_clip: float, loss_fn: Callable = lm_loss) -> StepResult:
