@@ -52,7 +52,10 @@ def _redact_hydra_outputs() -> None:
     if hc.output_subdir is None:
         return
     out = Path(hc.runtime.output_dir) / hc.output_subdir
-    redact_yaml_files(out / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml"))
+    try:
+        redact_yaml_files(out / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml"))
+    except Exception as err:  # noqa: BLE001 - masking secrets must never kill the run
+        log.warning("could not mask secrets in %s: %s", out, err)
 
 
 def _in_sweep() -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -75,15 +77,41 @@ def install_log_filter(*extra: Mapping[str, Any]) -> None:
         handler.addFilter(flt)
 
 
-def redact_yaml_files(paths: Iterable[Path]) -> None:
+def redact_yaml_files(paths: Iterable[Path], *, attempts: int = 30) -> None:
     """Rewrite YAML files (Hydra's `.hydra/config.yaml`, `overrides.yaml`, `hydra.yaml`) with
-    secret-named entries and `key=value` overrides masked. Missing files are skipped."""
+    secret-named entries and `key=value` overrides masked. Missing files are skipped.
+
+    In a Slurm job every task's Hydra writes these files (not atomically) and then redacts
+    them, so a file may be caught half-written: it is read again until it parses (up to
+    `attempts` × 0.1 s), and rewritten atomically (temp file + rename), so a reader never sees
+    half of it and the last writer of the job is always a redaction. A file that never parses
+    is left alone with a warning: redaction must not kill the run."""
     import yaml
 
     for path in paths:
-        if not path.is_file():
+        data = _read_yaml(path, attempts=attempts)
+        if data is None:
             continue
-        data = yaml.safe_load(path.read_text())
         clean = redact(data)
         if clean != data:
-            path.write_text(yaml.safe_dump(clean, sort_keys=False))
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(yaml.safe_dump(clean, sort_keys=False))
+            os.replace(tmp, path)
+
+
+def _read_yaml(path: Path, *, attempts: int) -> Any:
+    import yaml
+
+    for _ in range(attempts):
+        if not path.is_file():
+            return None
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            data = None
+        if data is not None:
+            return data
+        time.sleep(0.1)  # being written by another task's Hydra
+    logging.getLogger(__name__).warning("%s did not parse as YAML: left unredacted", path)
+    return None

@@ -46,3 +46,34 @@ def test_yaml_files_rewritten(tmp_path):
     assert "A: b" in (tmp_path / "config.yaml").read_text()
     assert (tmp_path / "overrides.yaml").read_text().splitlines() == [
         "- +cluster.env.HF_TOKEN=***", "- model=debug"]
+
+
+def test_concurrent_tasks_writing_and_redacting_one_file(tmp_path):
+    """A Slurm job's tasks each write Hydra's config (not atomically) and then redact it: no
+    task fails on a half-written file and the file ends redacted."""
+    import threading
+    import time
+
+    path = tmp_path / "config.yaml"
+    text = "cluster:\n  env:\n    HF_TOKEN: abc123\n" + "".join(
+        f"k{i}: {i}\n" for i in range(200))
+    errors = []
+
+    def task() -> None:
+        try:
+            with path.open("w") as f:  # as Hydra writes: truncate, then the text in pieces
+                f.write(text[:50])
+                f.flush()
+                time.sleep(0.02)
+                f.write(text[50:])
+            redact_yaml_files([path])
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=task) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert "abc123" not in path.read_text() and "HF_TOKEN: '***'" in path.read_text()
