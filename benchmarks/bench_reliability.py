@@ -199,6 +199,7 @@ def watchdog_cost(tmp: Path) -> dict:
     from hpctrain.distributed.watchdog import Watchdog
 
     wd = Watchdog(tmp / "wd", rank=0, world_size=1, timeout_s=300)
+    (wd.dir / "heartbeat").mkdir(parents=True, exist_ok=True)  # what start() prepares
     n = 200_000
     step_us = timeit.timeit(lambda: wd.step(1), number=n) / n * 1e6
     beat_us = timeit.timeit(wd._write_beat, number=500) / 500 * 1e6
