@@ -31,15 +31,6 @@ def param_groups(params: list[tuple[str, torch.nn.Parameter]], weight_decay: flo
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(named_params, optim: OptimConfig) -> torch.optim.Optimizer:
-    if optim.name != "adamw":
-        raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
-    groups = param_groups(list(named_params), optim.weight_decay)
-    # foreach=False keeps the update order fixed and identical across layouts.
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                             eps=optim.eps, foreach=False)
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
