@@ -49,7 +49,7 @@ def preflight(cfg: Config) -> None:
 
     if cfg.cluster.launcher == "slurm" or not reads_data(cfg):
         return
-    from hpctrain.train.prepare import prepare
+    from hpctrain.data.prepare import prepare
     from hpctrain.validate_inputs import check_prepared
 
     check_prepared(cfg, prepare(cfg.data))

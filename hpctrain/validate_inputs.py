@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from hpctrain.config import Config, format_problems
-from hpctrain.train import prepare as prep
+from hpctrain.data import prepare as prep
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")

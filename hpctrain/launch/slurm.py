@@ -44,7 +44,7 @@ def slurm_env(cfg: Config) -> DistEnv:
 
 def _prepared_then(task: TaskFn, local_rank: int) -> TaskFn:
     def prepared_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-        from hpctrain.train.prepare import prepare
+        from hpctrain.data.prepare import prepare
 
         if local_rank == 0:
             prepare(cfg.data)

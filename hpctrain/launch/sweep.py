@@ -175,7 +175,7 @@ def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     each distinct data config once, so jobs only read the token cache, and check that every
     point's batches fit its data (one ValueError naming each point that does not)."""
     from hpctrain.launch.sweep_check import parsed_points, sweep_points
-    from hpctrain.train.prepare import prepare
+    from hpctrain.data.prepare import prepare
     from hpctrain.validate import reads_data
     from hpctrain.validate_inputs import check_prepared
 

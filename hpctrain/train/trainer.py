@@ -29,11 +29,11 @@ from hpctrain.parallel.data import build_data_parallel
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
-from hpctrain.train.data import Sampler, TokenDataset, batch
+from hpctrain.data.dataset import Sampler, TokenDataset, batch
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.train.prepare import prepare
+from hpctrain.data.prepare import prepare
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import eval_loss
 from hpctrain.train.tensor_parallel import (

@@ -25,7 +25,7 @@ import torch
 from hpctrain import tasks
 from hpctrain.errors import NonFiniteError
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.train.data import Sampler
+from hpctrain.data.dataset import Sampler
 from tests.conftest import ROOT, make_config
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",

@@ -37,7 +37,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 def _local_reference(overrides: list[str], run_dir: Path) -> list[tuple[int, float]]:
     from hpctrain.launch.local import launch_local
     from hpctrain.tasks import RANK_TASKS
-    from hpctrain.train.prepare import prepare
+    from hpctrain.data.prepare import prepare
 
     cfg = make_config(overrides, run_dir=run_dir)
     prepare(cfg.data)

@@ -276,7 +276,7 @@ def test_every_numeric_key_has_a_range(group):
 def test_predicted_split_is_what_prepare_writes(tmp_path):
     """The parse-time size (byte tokenizer, from file sizes) equals the prepared one."""
     from hpctrain.config import DataConfig
-    from hpctrain.train.prepare import predicted_split, prepare
+    from hpctrain.data.prepare import predicted_split, prepare
     from hpctrain.validate_inputs import tokens_of
 
     for i, size in enumerate((0, 1, 700, 3000)):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hpctrain.config import DataConfig
-from hpctrain.train.data import Sampler, TokenDataset, batch
-from hpctrain.train.prepare import BYTE_EOD, prepare
+from hpctrain.data.dataset import Sampler, TokenDataset, batch
+from hpctrain.data.prepare import BYTE_EOD, prepare
 
 
 def _files(tmp_path, texts):

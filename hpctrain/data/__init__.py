@@ -1,0 +1,1 @@
+"""Token data: preparing memmapped corpora, sampling and batching them."""
