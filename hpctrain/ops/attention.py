@@ -4,6 +4,8 @@ Legend: B batch, N query heads, K key/value heads, L sequence, H head dim.
 Every backend computes causal softmax(q kᵀ / √H) v with grouped-query attention (each group
 of N/K query heads shares one key/value head) and returns out_BNLH.
 `eager` is the O(L²) reference that every other backend is tested against.
+With `docs` (packed rows, see ops/documents.py) a query attends only to earlier keys of its
+own document; without, the whole row is one document.
 """
 
 from __future__ import annotations
@@ -14,29 +16,41 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from hpctrain.ops.documents import Documents
+
+AttentionFn = Callable[..., torch.Tensor]  # (q_BNLH, k_BKLH, v_BKLH, docs=None) -> out_BNLH
 
 
 def _repeat_kv(x_BKLH: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BKLH if groups == 1 else x_BKLH.repeat_interleave(groups, dim=1)
 
 
-def eager_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
+def eager_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+                    docs: Documents | None = None):
     """Reference: materialises the L×L score matrix in the input dtype."""
     groups = q_BNLH.shape[1] // k_BKLH.shape[1]
     k_BNLH, v_BNLH = _repeat_kv(k_BKLH, groups), _repeat_kv(v_BKLH, groups)
     L = q_BNLH.shape[2]
     scores_BNLL = q_BNLH @ k_BNLH.transpose(-1, -2) / math.sqrt(q_BNLH.shape[-1])
-    mask_LL = torch.ones(L, L, dtype=torch.bool, device=q_BNLH.device).tril()
-    scores_BNLL = scores_BNLL.masked_fill(~mask_LL, float("-inf"))
+    if docs is None:
+        mask_BNLL = torch.ones(L, L, dtype=torch.bool, device=q_BNLH.device).tril()
+    else:
+        mask_BNLL = docs.mask_BLL()[:, None]
+    scores_BNLL = scores_BNLL.masked_fill(~mask_BNLL, float("-inf"))
     return torch.softmax(scores_BNLL, dim=-1) @ v_BNLH
 
 
-def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
-    """torch's fused kernel: FlashAttention/cuDNN/memory-efficient on CUDA, flash on CPU."""
+def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+                   docs: Documents | None = None):
+    """torch's fused kernel: FlashAttention/cuDNN/memory-efficient on CUDA, flash on CPU.
+    Documents become an explicit block-diagonal causal mask (which rules out the flash path)."""
     groups = q_BNLH.shape[1] // k_BKLH.shape[1]
+    if docs is None:
+        return F.scaled_dot_product_attention(
+            q_BNLH, k_BKLH, v_BKLH, is_causal=True, enable_gqa=groups > 1
+        )
     return F.scaled_dot_product_attention(
-        q_BNLH, k_BKLH, v_BKLH, is_causal=True, enable_gqa=groups > 1
+        q_BNLH, k_BKLH, v_BKLH, attn_mask=docs.mask_BLL()[:, None], enable_gqa=groups > 1
     )
 
 

@@ -1,0 +1,66 @@
+"""Document boundaries inside packed rows.
+
+Legend: B batch, L sequence, T total tokens (B·L). A packed row holds several documents, each
+ending with the end-of-document token. Token i of a row belongs to document `ids_BL[b, i]` (the
+count of end-of-document tokens strictly before it, so the end token closes its own document)
+and sits at offset `positions_BL[b, i]` inside it (RoPE restarts there). Attention may only
+connect tokens of one document, causally: mask[i, j] = ids[i] == ids[j] and j ≤ i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Per-token document index and in-document position of a batch of packed rows."""
+
+    ids_BL: torch.Tensor
+    positions_BL: torch.Tensor
+
+    @classmethod
+    def from_eod(cls, tokens_BL: torch.Tensor, *, eod: int) -> Documents:
+        """Boundaries of rows whose documents are separated by the token id `eod`."""
+        is_end_BL = tokens_BL == eod
+        ids_BL = torch.cumsum(is_end_BL, dim=1) - is_end_BL.long()
+        return cls.from_ids(ids_BL)
+
+    @classmethod
+    def from_ids(cls, ids_BL: torch.Tensor) -> Documents:
+        """Boundaries from per-token document ids, non-decreasing along each row."""
+        ids_BL = ids_BL.long()
+        L = ids_BL.shape[1]
+        index_BL = torch.arange(L, device=ids_BL.device).expand_as(ids_BL)
+        starts_BL = torch.ones_like(ids_BL, dtype=torch.bool)
+        starts_BL[:, 1:] = ids_BL[:, 1:] != ids_BL[:, :-1]
+        first_BL = torch.cummax(torch.where(starts_BL, index_BL, 0), dim=1).values
+        return cls(ids_BL=ids_BL, positions_BL=index_BL - first_BL)
+
+    @classmethod
+    def single(cls, batch: int, length: int, *, device: torch.device | None = None) -> Documents:
+        """One document per row (what an unpacked batch is)."""
+        ids_BL = torch.zeros(batch, length, dtype=torch.long, device=device)
+        return cls.from_ids(ids_BL)
+
+    def mask_BLL(self) -> torch.Tensor:
+        """Boolean attention mask: True where query i may attend to key j."""
+        L = self.ids_BL.shape[1]
+        causal_LL = torch.ones(L, L, dtype=torch.bool, device=self.ids_BL.device).tril()
+        same_BLL = self.ids_BL[:, :, None] == self.ids_BL[:, None, :]
+        return same_BLL & causal_LL
+
+    def lengths(self) -> list[list[int]]:
+        """Length of each document of each row, in order."""
+        return [torch.unique_consecutive(row, return_counts=True)[1].tolist()
+                for row in self.ids_BL.cpu()]
+
+    def cu_seqlens(self) -> tuple[torch.Tensor, int]:
+        """Cumulative document lengths over the flattened T tokens (int32, starting at 0) and
+        the longest document: the variable-length form flash-attn's varlen functions take."""
+        flat = [n for row in self.lengths() for n in row]
+        cu = torch.zeros(len(flat) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(flat, dtype=torch.int32), dim=0)
+        return cu.to(self.ids_BL.device), max(flat)
