@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 from hpctrain.config import OptimConfig  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.scaler import LossScaler  # noqa: E402
 from hpctrain.train import checkpoint as ckpt  # noqa: E402
 from hpctrain.train import ckpt_catalog, manifest  # noqa: E402
-from hpctrain.train.scaler import LossScaler  # noqa: E402
 
 
 def _evict(directory: Path) -> None:

@@ -44,9 +44,9 @@ from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
 from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import StepResult, allreduce_mean
 from hpctrain.parallel.tensor import TensorParallelPlan
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean
 
 Timeline = list[tuple[float, float, Any]]
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from hpctrain.config import Config
+from hpctrain.data.dataset import Sampler, TokenDataset, batch
+from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt
@@ -26,16 +28,14 @@ from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data import build_data_parallel
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import eval_loss
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
-from hpctrain.data.dataset import Sampler, TokenDataset, batch
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.data.prepare import prepare
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import eval_loss
 from hpctrain.train.tensor_parallel import (
     engine_axes,
     setup_tensor_parallel,

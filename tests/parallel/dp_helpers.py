@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpctrain.config import OptimConfig
 from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
-from hpctrain.train.scaler import LossScaler
+from hpctrain.parallel.scaler import LossScaler
 from tests.parallel.reference_step import reference_optimizer, reference_step
 
 # eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
@@ -89,7 +89,7 @@ def overlap_times():
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=0, bucket_mb=0.02)
     x, y = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)[0]
-    from hpctrain.train.step import lm_loss
+    from hpctrain.parallel.step import lm_loss
 
     loss = lm_loss(model(x), y)
     loss.backward()

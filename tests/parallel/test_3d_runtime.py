@@ -15,8 +15,8 @@ from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
+from hpctrain.parallel.step import allreduce_mean
 from hpctrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, sync_tp_grads
-from hpctrain.train.step import allreduce_mean
 from tests.parallel.threed_reference import (
     MB,
     SEED,

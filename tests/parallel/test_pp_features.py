@@ -15,7 +15,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.step import lm_loss
 from tests.parallel.test_pp_runtime import (
     CASES,
     MB,

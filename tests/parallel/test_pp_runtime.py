@@ -13,7 +13,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.step import lm_loss
 
 SEED, MB, SEQ = 7, 2, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1),

@@ -36,8 +36,8 @@ from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import StepResult, allreduce_mean, autocast, lm_loss
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,7 +25,7 @@ from hpctrain.ops.linear import Linear, WeightGradQueue
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import rope_tables
 from hpctrain.parallel.pipeline.tied import HeadAlias, tie_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.step import lm_loss
 
 
 def stage_layers(stage: int, *, n_stages: int, n_layers: int) -> range:
