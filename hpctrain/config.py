@@ -41,7 +41,7 @@ class ClusterConfig:
     signal_delay_s: int = 120  # Slurm: USR2 this long before the limit; local: stop grace
     env: dict[str, str] = field(default_factory=dict)  # exported in the job: NCCL_IB_HCA, ...
     # What the planner (task=plan) assumes about the hardware; GPUs per node = procs_per_node.
-    accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM, H200
+    accelerator: str | None = None  # a row of hpctrain.metrics.devices, e.g. H100-SXM, H200
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
     achievable_fraction: float = 0.5  # fraction of the dense peak that compute sustains

@@ -70,7 +70,8 @@ def _gemm_md(records: list[dict]) -> list[str]:
     rows = S.gemm_rows(records)
     if not rows:
         return []
-    md = ["## GEMM", "", "Median over ranks; peak from hpctrain.plan.devices (– if unknown).", ""]
+    md = ["## GEMM", "", "Median over ranks; peak from hpctrain.metrics.devices "
+          "(– if unknown).", ""]
     md += _table(rows, [("precision", "precision"), ("kind", "kind"), ("shape", "shape"),
                         ("m", "M"), ("k", "K"), ("n", "N"), ("median_tflops", "TFLOP/s"),
                         ("min_tflops", "slowest TFLOP/s"), ("min_rank", "slowest rank"),

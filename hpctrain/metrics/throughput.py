@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from hpctrain.metrics.devices import lookup_device
 from hpctrain.models.config import ModelConfig
-from hpctrain.plan.devices import lookup_device
 
 log = logging.getLogger(__name__)
 

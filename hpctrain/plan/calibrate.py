@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.devices import DeviceSpec
 
 LOCAL_BW = 1e9  # bytes/s, gloo on one machine
 LOCAL_LATENCY = 50e-6  # seconds per message

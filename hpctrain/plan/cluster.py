@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hpctrain.plan.devices import DEVICES, DeviceSpec
+from hpctrain.metrics.devices import DEVICES, DeviceSpec
 
 # Fraction of the dense peak that large bf16 GEMMs sustain inside a real training step (kernel
 # efficiency × the elementwise, softmax and optimizer work the FLOP count ignores). Megatron-LM

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.config import Config, build
+from hpctrain.metrics.devices import DEVICES, lookup_device
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.devices import DEVICES, lookup_device
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
 from hpctrain.plan.search import search_layouts

@@ -30,12 +30,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hpctrain.metrics.memory import storage_bytes
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
+from hpctrain.parallel.memory import storage_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import StepResult, allreduce_mean, autocast, lm_loss
 
