@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ from hpctrain.data.dataset import Sampler, TokenDataset, batch
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.launch import preempt
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
 from hpctrain.models import build_model
@@ -30,11 +30,17 @@ from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data import build_data_parallel
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
-from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.outputs import make_loggers, print_summary, summarize
+from hpctrain.train.outputs import (
+    NoPrediction,
+    Prediction,
+    make_loggers,
+    never_stop,
+    print_summary,
+    summarize,
+)
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.tensor_parallel import (
     engine_axes,
@@ -48,7 +54,13 @@ HISTORY_STEPS = 1000  # step records kept for the summary's medians
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh):
+    """One rank's training run on `mesh`. The launcher's side comes in as arguments, so train
+    imports nothing above it: `stop_requested()` is collective and True on every rank once any
+    rank was signalled (hpctrain.launch.preempt); `prediction` is the planner's (task=train
+    builds both, hpctrain.tasks)."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, *, stop_requested: Callable[[], bool] = never_stop,
+                 prediction: Prediction | None = None):
         self.cfg, self.mesh, self.run_dir = cfg, mesh, Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
@@ -86,7 +98,8 @@ class Trainer:
         self.step = 0
         self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
-        self.prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
+        self.stop_requested = stop_requested
+        self.prediction = prediction if prediction is not None else NoPrediction()
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -199,13 +212,13 @@ class Trainer:
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
         """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
-        limit, SIGINT/SIGTERM to the local launcher). The signal
-        check is collective (launch.preempt), so every rank stops after the same step and the
-        checkpoint saved next is consistent."""
+        limit, SIGINT/SIGTERM to the local launcher). The signal check is collective
+        (`stop_requested`), so every rank stops after the same step and the checkpoint saved
+        next is consistent."""
         t = self.cfg.train
         if t.stop_after is not None and self.step >= t.stop_after:
             return True
-        if preempt.stop_agreed(device=self.mesh.device):
+        if self.stop_requested():
             extra["stopped_by_signal"] = True
             source = "Slurm" if self.cfg.cluster.launcher == "slurm" else "a signal"
             log.warning("stop requested by %s: checkpointing at step %d", source, self.step)
