@@ -10,7 +10,7 @@ The node is a plain mapping of the defaults, not a structured config: OmegaConf 
 `Literal` annotations, and a structured node would type-check values inside Hydra and refuse
 `~key` deletion. So Hydra supplies every key and its default, refuses a typo on the command line
 (`train.stpes=3`), and hands everything else — `+group.unknown=1`, a value of the wrong type or
-outside its choices — to `hpctrain.config.parse`, which reports all of them in one ValueError.
+outside its choices — to `hpctrain.parse.parse`, which reports all of them in one ValueError.
 Fields without a default (the model's shape) are left out: a preset sets them, and parse names
 the ones still missing.
 """
