@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
+
 from hpctrain.bench.config import BenchConfig
 from hpctrain.config import _GROUPS, TaskConfig
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
@@ -49,8 +51,6 @@ def defaults_of(cls: type) -> dict[str, Any]:
 def register() -> None:
     """Store `schema/<group>` for every group of SCHEMAS in Hydra's ConfigStore (idempotent).
     Call it before composing conf/ (the entry point, hpctrain.launch.sbatch and the tests do)."""
-    from hydra.core.config_store import ConfigStore
-
     store = ConfigStore.instance()
     for group, cls in SCHEMAS.items():
         store.store(group="schema", name=group, node=defaults_of(cls),

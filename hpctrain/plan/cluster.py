@@ -52,14 +52,6 @@ class ClusterSpec:
     def with_(self, **changes) -> ClusterSpec:
         return replace(self, **changes)
 
-    @classmethod
-    def from_bench(cls, path, *, base: ClusterSpec | None = None) -> ClusterSpec:
-        """`base` with the GEMM peaks and link bandwidths a task=bench bench.json measured
-        (see `hpctrain.plan.calibrate.calibrated_cluster`)."""
-        from hpctrain.plan.calibrate import calibrated_cluster
-
-        return calibrated_cluster(path, base=base)
-
 
 def megatron_a100_cluster() -> ClusterSpec:
     """The cluster of Narayanan et al. 2021 (Selene-like DGX A100 nodes).

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from hpctrain.config import Config
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
+from hpctrain.metrics.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ def make_loggers(cfg: Config, *, run_dir: Path, start_step: int) -> tuple[MultiL
     progress = Progress(cfg.logger.progress, total=cfg.train.steps, start=start_step)
     wandb = None
     if cfg.logger.wandb != "disabled":
-        from hpctrain.metrics.wandb_logger import WandbLogger
-
         wandb = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
     return MultiLogger(JsonlLogger(run_dir, start_step=start_step), wandb, progress), progress
 

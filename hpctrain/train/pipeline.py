@@ -37,6 +37,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.pipeline.actions import Action
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -202,8 +203,6 @@ def measured_bubble(timeline: Timeline, span: float, *, group,
 
 def write_timeline_files(timelines, run_dir: Path, *, title: str) -> dict[str, str]:
     """Per rank [(start_s, end_s, 'stageKINDmb')] → Chrome trace JSON + PNG in `run_dir`."""
-    from hpctrain.parallel.pipeline.actions import Action
-
     run_dir = Path(run_dir)
     events, boxes = [], []
     for rank, acts in enumerate(timelines):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from hpctrain.config import Config
 from hpctrain.data.dataset import Sampler, TokenDataset, batch
@@ -312,8 +313,6 @@ class Trainer:
         if not self.cfg.train.profile:
             yield None
             return
-        from torch.profiler import ProfilerActivity, profile, schedule
-
         out = self.run_dir / "profile" / f"trace_rank{self.mesh.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]

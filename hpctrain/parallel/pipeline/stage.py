@@ -25,6 +25,7 @@ from hpctrain.ops.linear import Linear, WeightGradQueue
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import rope_tables
 from hpctrain.parallel.pipeline.tied import HeadAlias, tie_local_stages
+from hpctrain.parallel.pipeline.tp_stages import shard_stages
 from hpctrain.parallel.step import lm_loss
 
 
@@ -122,8 +123,6 @@ def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
     stages = {s: PipelineStage(cfg, stage=s, n_stages=n_stages, seed=seed) for s in stage_ids}
     plan = None
     if tp_group is not None:
-        from hpctrain.parallel.pipeline.tp_stages import shard_stages
-
         plan = shard_stages(stages, group=tp_group, sp=sp, cfg=cfg)
     tie_local_stages(stages, n_stages=n_stages)  # after sharding: tie the shards
     local = LocalStages(stages)
