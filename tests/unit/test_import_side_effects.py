@@ -3,8 +3,9 @@
 A fresh interpreter imports every module of the package (the entry point too, without running
 it) and compares what a library import must not touch: OmegaConf resolvers and Hydra's
 ConfigStore (the entry points register them, `hpctrain.__main__`), matplotlib's backend,
-signal handlers, the environment and the root logger. The entry point's own registration is
-checked too: it registers, and registering twice is harmless.
+signal handlers, the environment, the root logger and torch's defaults (not warning filters:
+torch's lazy import of sympy adds one). The entry point's own registration is checked too: it
+registers, and registering twice is harmless.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.conftest import ROOT
 PROBE = r"""
 import importlib, logging, os, pkgutil, signal
 import matplotlib
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -27,6 +29,7 @@ def state():
             "signals": [signal.getsignal(s) for s in SIGNALS], "env": dict(os.environ),
             "root_handlers": list(logging.getLogger().handlers),
             "root_level": logging.getLogger().level,
+            "torch": (torch.get_default_dtype(), torch.get_num_threads()),
             "resolver": OmegaConf.has_resolver("hpctrain.nodes"),
             "schemas": sorted(ConfigStore.instance().repo.get("schema", {}))}
 before = state()
