@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from hpctrain.config import OptimConfig  # noqa: E402
-from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
+from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.parallel.state import parallel_state  # noqa: E402
 from hpctrain.train import checkpoint as ckpt  # noqa: E402
