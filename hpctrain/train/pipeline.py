@@ -118,7 +118,7 @@ class PipelineEngine:
         embeddings tied across pp ranks, their gradient sum before the dp reduction
         (`pre_reduce`) and E counted once in the clip norm (`grad_replicas`)."""
         tied = self.tied
-        if tied is None or tied.group is None:
+        if tied is None or not tied.split:
             return axes
         tp_pre_reduce = axes.get("pre_reduce")
 

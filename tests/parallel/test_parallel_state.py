@@ -93,11 +93,15 @@ def test_tp2_pp2_spec_has_the_right_tp_dims_stages_and_sums_to_the_model(world4)
         assert held[name] == torch.Size(shape).numel(), name
 
 
+TIED = ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "model.tied_embeddings=true"]
+
+
 @pytest.mark.parametrize("overrides", [
     ["parallel.tp=4"],  # 2 kv heads on 4 ranks: wk/wv replicated on 2 ranks each
     ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"],  # dp shards of the flat units
-], ids=["tp4_kv_replicated", "dp2_tp2_zero1"])
-def test_spec_slices_are_exact_with_replicated_kv_and_dp_shards(world4, overrides):
+    TIED,  # E on both pp ranks: the head's copy under the embedding's name
+], ids=["tp4_kv_replicated", "dp2_tp2_zero1", "tp2_pp2_tied"])
+def test_spec_slices_are_exact_with_replicated_kv_dp_shards_and_tied_copies(world4, overrides):
     runs = world4.run(_spec_on_rank, overrides)
     for run in runs:
         for name, s in run["specs"].items():
@@ -105,6 +109,10 @@ def test_spec_slices_are_exact_with_replicated_kv_and_dp_shards(world4, override
         if "parallel.tp=4" in overrides:
             wk = run["specs"]["layers.0.attn.wk.weight"]["tp"]
             assert wk == (0, run["coords"]["tp"] // 2, 2, 2)
+        elif overrides is TIED:
+            e = run["specs"]["tok_embeddings.weight"]
+            assert "output.weight" not in run["specs"]  # one Parameter, one name
+            assert (e["stage"], e["tp"]) == (run["coords"]["pp"], (0, run["coords"]["tp"], 2, 1))
         else:
             shards = {s["dp_shards"] for s in run["specs"].values()}
             assert set().union(*shards) == {0, 1}  # zero=1: both dp shards hold pieces
