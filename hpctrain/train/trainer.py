@@ -26,9 +26,6 @@ from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_pe
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import mfu, peak_bf16_flops
-from hpctrain.models import build_model
-from hpctrain.models.checkpointing import apply_activation_checkpointing
-from hpctrain.parallel.data import build_data_parallel
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
@@ -43,12 +40,8 @@ from hpctrain.train.outputs import (
     summarize,
 )
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.train.tensor_parallel import (
-    engine_axes,
-    setup_tensor_parallel,
-    take_comm_bytes,
-    tp_step_hooks,
-)
+from hpctrain.train.setup import build_parallel_state
+from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
 
 log = logging.getLogger(__name__)
 HISTORY_STEPS = 1000  # step records kept for the summary's medians
@@ -67,24 +60,12 @@ class Trainer:
         t = cfg.train
         torch.manual_seed(t.seed)
         self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
-        if self.pipeline is not None:
-            self.model = self.pipeline.local  # this rank's stages, under the full model's names
-            self.tp_plan = self.pipeline.tp_plan  # tp inside the stages (3D), or None
-        else:
-            self.model = build_model(cfg.model, seed=t.seed)
-            self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)
-            apply_activation_checkpointing(self.model, t.activation_checkpointing)
-            self.model.to(mesh.device)
-        self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
-        # One update path for every layout: gradient reduction (bucketed), the global norm,
-        # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
-        # bf16/fp16) live in the data-parallel engine (hpctrain/parallel/data), over the dp
-        # group on this rank's tp shard / pipeline stages.
-        axes = engine_axes(self.model, self.tp_plan, mesh)
-        if self.pipeline is not None:  # + tied embeddings across stages
-            axes = self.pipeline.engine_axes(axes)
-        self.dp = build_data_parallel(self.model, cfg, mesh, **axes)
+        # Built once, passed to checkpointing and metrics (hpctrain.train.setup).
+        self.parallel = build_parallel_state(cfg, mesh, pipeline=self.pipeline)
+        self.model = self.parallel.model  # this rank's shard / stages, full model's names
+        self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
+        self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
@@ -127,7 +108,7 @@ class Trainer:
                  else ckpt.agreed_verified(Path(mode)))
         if found is None:
             return
-        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
+        train_state, rank_state = ckpt.load(found, parallel=self.parallel,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
@@ -144,7 +125,7 @@ class Trainer:
                  "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
-        return ckpt.save(path, model=self.model, engine=self.dp, train_state=state,
+        return ckpt.save(path, parallel=self.parallel, train_state=state,
                          rank_state={"scaler": self.scaler.state_dict()},
                          model_config=self.cfg.model)
 
@@ -153,7 +134,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
-        take_comm_bytes(self.tp_plan)  # drop what eval sent since the last step
+        take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
         t0 = time.perf_counter()
         if self.pipeline is not None:
             result, step_extra = self._pipeline_step(step)
@@ -170,7 +151,7 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
                            n_devices=self.mesh.dims.world_size, peak_flops=self.peak),
-                **take_comm_bytes(self.tp_plan), **step_extra}
+                **take_comm_bytes(self.parallel.tp_plan), **step_extra}
 
     def _pipeline_step(self, step: int):
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
@@ -263,7 +244,7 @@ class Trainer:
         """Reload `found` on every rank and skip the data of the steps since it, through the bad
         one: the data step is step + data_offset, so the sampler stays a pure function."""
         bad, path = self.step, found.path
-        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
+        train_state, rank_state = ckpt.load(found, parallel=self.parallel,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from hpctrain import tasks
+from hpctrain.data.dataset import Sampler
 from hpctrain.errors import NonFiniteError
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.data.dataset import Sampler
 from tests.conftest import ROOT, make_config
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
