@@ -169,6 +169,18 @@ def check_device(c: Config) -> list[str]:
     return []
 
 
+def check_attention(c: Config) -> list[str]:
+    """The backend's device, dtype and direction limits (ops.attention.backend_problem)."""
+    from hpctrain.distributed.device import resolve_device_type
+    from hpctrain.ops.attention import backend_problem
+
+    if c.cluster.launcher == "slurm" and "SLURM_PROCID" not in os.environ:
+        return []  # submitting from a login node: checked again in each Slurm task
+    problem = backend_problem(c.model.attention, device_type=resolve_device_type(
+        c.cluster.device), training=reads_data(c), precision=c.train.precision)
+    return [problem] if problem else []
+
+
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
@@ -327,6 +339,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_vocab: ("model.vocab_size", "data."),
     check_data_size: ("data.", "train.", "parallel.dp"),
     check_device: ("cluster.", "train."),
+    check_attention: ("model.attention", "cluster.", "train.precision"),
     check_not_built: ("parallel.", "bench"),
     check_schedule: _BATCH,
     check_pipeline: (*_BATCH, *_SHAPE, "train.activation_checkpointing", "cluster."),
@@ -339,8 +352,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_vocab,
-                             check_data_size, check_device, check_not_built, check_schedule,
-                             check_pipeline, check_cluster_spec, check_bench)
+                             check_data_size, check_device, check_attention, check_not_built,
+                             check_schedule, check_pipeline, check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,
     "bench": CHECKS,

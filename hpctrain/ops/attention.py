@@ -3,20 +3,27 @@
 Legend: B batch, N query heads, K key/value heads, L sequence, H head dim.
 Every backend computes causal softmax(q kᵀ / √H) v with grouped-query attention (each group
 of N/K query heads shares one key/value head) and returns out_BNLH.
-`eager` is the O(L²) reference that every other backend is tested against.
+`eager` is the O(L²) reference that every other backend is tested against; `sdpa` is torch's
+fused kernel; `flex` (ops/attention_flex.py), `flash` (ops/attention_flash.py) and `triton`
+(hpctrain's own FlashAttention-2 kernel, ops/triton_attention.py) are fused backends whose
+device and dtype limits `backend_problem` states before a run starts.
 With `docs` (packed rows, see ops/documents.py) a query attends only to earlier keys of its
 own document; without, the whole row is one document.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from hpctrain.ops.attention_flash import flash_backend, flash_problem
+from hpctrain.ops.attention_flex import CPU_TRAINING_REFUSED, flex_backend
 from hpctrain.ops.documents import Documents
+from hpctrain.ops.triton_attention import mode_problem, triton_attention
 
 AttentionFn = Callable[..., torch.Tensor]  # (q_BNLH, k_BKLH, v_BKLH, docs=None) -> out_BNLH
 
@@ -57,6 +64,9 @@ def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Ten
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
+    "flex": flex_backend,
+    "flash": flash_backend,
+    "triton": triton_attention,
 }
 
 
@@ -66,3 +76,19 @@ def get_attention(name: str) -> AttentionFn:
             f"model.attention={name!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
     return ATTENTION_BACKENDS[name]
+
+
+def backend_problem(name: str, *, device_type: str, training: bool,
+                    precision: str = "fp32") -> str | None:
+    """Why backend `name` cannot run a job on `device_type` ("cpu"/"cuda") with these
+    settings, with the fix; None if it can. Config validation calls this before launch."""
+    if name == "flex" and training and device_type != "cuda":
+        return CPU_TRAINING_REFUSED
+    if name == "flash":
+        return flash_problem(device_type=device_type, precision=precision)
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return ("model.attention=triton needs the triton package, not installed here: "
+                    "pip install 'hpctrain[triton]', or use model.attention=sdpa")
+        return mode_problem(device_type)
+    return None

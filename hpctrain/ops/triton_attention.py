@@ -1,0 +1,191 @@
+"""The `triton` attention backend: hpctrain's own FlashAttention-2 kernels as an autograd op.
+
+Legend: B batch, N query heads, K key/value heads, L sequence, H head dim.
+`triton_attention(q_BNLH, k_BKLH, v_BKLH, docs)` computes causal softmax(q kᵀ/√H) v with
+grouped-query attention and optional document masks, like every backend in ops/attention.py.
+Forward keeps only O and the log-sum-exp (B·N·L floats), never an L×L matrix; backward
+recomputes the probabilities from them (kernels and math in ops/triton_attention_kernels.py).
+
+Devices. Triton fixes its mode when it is first imported: with TRITON_INTERPRET=1 in the
+environment every kernel runs under its CPU interpreter, otherwise compiled for the GPU. So:
+CUDA tensors need a process without TRITON_INTERPRET (they run in their own dtype: bf16/fp16
+natively, fp32 with IEEE dot products); CPU tensors need TRITON_INTERPRET=1 set before anything
+imports triton (config validation refuses `model.attention=triton` on CPU without it, and
+tests/unit/conftest.py sets it on machines without CUDA). The interpreter is slow (tests, tiny
+models) and its bf16 dot products are wrong, so there inputs are computed in fp32 and the result
+cast back. Triton is an optional dependency (`pip install hpctrain[triton]`), imported on first
+use; a mismatch between device and mode is a ValueError naming the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from hpctrain.ops.documents import Documents
+
+# (BM, BN) of the forward, dq and dk/dv kernels, and (num_warps, num_stages) on the GPU.
+# From Triton's fused-attention tutorial for H ≤ 128; untuned on this project's GPUs yet.
+GPU_TILES = {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 128)}
+GPU_LAUNCH = {"fwd": (8, 3), "dq": (4, 3), "dkdv": (4, 3)}
+# Small tiles under the interpreter: test lengths of ~70 tokens still span several tiles.
+INTERPRETER_TILE = 32
+
+
+def interpreter_on() -> bool:
+    """Whether this process's Triton runs kernels under its CPU interpreter."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def kernels() -> SimpleNamespace:
+    """The three kernels, jitted in the process's Triton mode (see the module docstring)."""
+    import triton
+
+    from hpctrain.ops import triton_attention_kernels as raw
+
+    return SimpleNamespace(fwd=triton.jit(raw.attn_fwd), dq=triton.jit(raw.attn_bwd_dq),
+                           dkdv=triton.jit(raw.attn_bwd_dkdv))
+
+
+def mode_problem(device_type: str) -> str | None:
+    """Why this process cannot run the kernels on `device_type`, with the fix; None if it can."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if "triton" in sys.modules:
+        interpret = interpreter_on()  # the mode Triton fixed when it was imported
+    if device_type == "cuda" and interpret:
+        return ("model.attention=triton on CUDA but TRITON_INTERPRET=1 runs Triton's CPU "
+                "interpreter (slow, wrong in bf16): unset TRITON_INTERPRET")
+    if device_type != "cuda" and not interpret:
+        return (f"model.attention=triton on {device_type} runs only under Triton's interpreter:"
+                " start the process with TRITON_INTERPRET=1 in the environment (it must be set "
+                "before triton is imported), or use model.attention=sdpa")
+    return None
+
+
+def _tiles(name: str, interpret: bool) -> tuple[int, int]:
+    return (INTERPRETER_TILE,) * 2 if interpret else GPU_TILES[name]
+
+
+def _launch(name: str, interpret: bool) -> dict:
+    if interpret:
+        return {}
+    warps, stages = GPU_LAUNCH[name]
+    return {"num_warps": warps, "num_stages": stages}
+
+
+def tile_ranges(ids_BL: torch.Tensor, *, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tiles can see each other under causal document masks (ids non-decreasing per row).
+
+    kv_lo[b, t]: first key (a multiple of bn) that query tile t (rows t·bm …) may see — the
+    start of its first row's document. q_hi[b, t]: one past the last query that key tile t
+    (keys t·bn …) is visible to — the end of its last key's document. Tiles outside are skipped.
+    """
+    ids_BL = ids_BL.contiguous()
+    L = ids_BL.shape[1]
+    first_BL = torch.searchsorted(ids_BL, ids_BL, right=False)
+    end_BL = torch.searchsorted(ids_BL, ids_BL, right=True)
+    q_rows = torch.arange(0, L, bm, device=ids_BL.device)
+    k_last = torch.arange(bn - 1, L + bn - 1, bn, device=ids_BL.device).clamp(max=L - 1)
+    kv_lo = first_BL[:, q_rows] // bn * bn
+    return kv_lo.int().contiguous(), end_BL[:, k_last].int().contiguous()
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def _head_pad(H: int) -> int:
+    return max(16, 1 << (H - 1).bit_length())  # tl.arange needs a power of two, tl.dot ≥ 16
+
+
+def _forward(q, k, v, ids, *, interpret):
+    B, N, L, H = q.shape
+    bm, bn = _tiles("fwd", interpret)
+    o = torch.empty(B, L, N, H, dtype=q.dtype, device=q.device).transpose(1, 2)  # BNLH view
+    lse = torch.empty(B, N, L, dtype=torch.float32, device=q.device)
+    kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
+    grid = (triton_cdiv(L, bm), B * N)
+    kernels().fwd[grid](
+        q, k, v, o, lse, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        L, H, N, N // k.shape[1], _scale(H) * math.log2(math.e),
+        HAS_DOCS=ids is not None, BM=bm, BN=bn, HP=_head_pad(H), PREC=_precision(q.dtype),
+        **_launch("fwd", interpret))
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, ids, *, interpret):
+    B, N, L, H = q.shape
+    K = k.shape[1]
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # Δ_i = Σ_h dO∘O: the preprocess
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(HAS_DOCS=ids is not None, HP=_head_pad(H), PREC=_precision(q.dtype))
+    scales = (_scale(H) * math.log2(math.e), _scale(H))
+    bm, bn = _tiles("dq", interpret)
+    kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
+    kernels().dq[(triton_cdiv(L, bm), B * N)](
+        q, k, v, do, dq, lse, delta, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dq), L, H, N, N // K, *scales, BM=bm, BN=bn, **common,
+        **_launch("dq", interpret))
+    bm, bn = _tiles("dkdv", interpret)
+    q_hi = tile_ranges(ids, bm=bm, bn=bn)[1] if ids is not None else None
+    kernels().dkdv[(triton_cdiv(L, bn), B * K)](
+        q, k, v, do, dk, dv, lse, delta, ids, q_hi, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dk), *_strides(dv), L, H, K, N // K, *scales, BM=bm, BN=bn,
+        **common, **_launch("dkdv", interpret))
+    return dq, dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scale(H: int) -> float:
+    return 1.0 / math.sqrt(H)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TritonAttention(torch.autograd.Function):
+    """out = FlashAttention-2(q, k, v, ids); gradients for q, k and v (ids: int32 or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ids):
+        interpret = q.device.type != "cuda"
+        o, lse = _forward(q, k, v, ids, interpret=interpret)
+        ctx.save_for_backward(q, k, v, o, lse, ids)
+        ctx.interpret = interpret
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, ids = ctx.saved_tensors
+        dq, dk, dv = _backward(_rows_contiguous(do), q, k, v, o, lse, ids,
+                               interpret=ctx.interpret)
+        return dq, dk, dv, None
+
+
+def triton_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,
+                     docs: Documents | None = None) -> torch.Tensor:
+    """hpctrain's fused kernel (see the module docstring for devices and dtypes)."""
+    if (problem := mode_problem(q_BNLH.device.type)) is not None:
+        raise ValueError(problem)
+    dtype = q_BNLH.dtype
+    q, k, v = (_rows_contiguous(x) for x in (q_BNLH, k_BKLH, v_BKLH))
+    if q.device.type != "cuda" and dtype not in (torch.float32, torch.float64):
+        q, k, v = q.float(), k.float(), v.float()
+    ids = None if docs is None else docs.ids_BL.to(torch.int32).contiguous()
+    return TritonAttention.apply(q, k, v, ids).to(dtype)

@@ -1,0 +1,162 @@
+"""Every attention backend against the eager reference, forward and backward (dq, dk, dv).
+
+Cases: GQA ratios 1, 2, 4 and MQA; L = 70 tokens (not a multiple of the Triton interpreter's
+32-row tile nor of flex's 128 block); no documents, and a batch whose first row holds many
+documents including ones of length 1 (first, middle, last) and a document spanning tiles, and
+whose second row is one document. Inputs have the model's layout (a transposed B L N H
+buffer). sdpa and flex in fp64; triton in fp32 under Triton's interpreter (tests/unit/conftest.py
+sets TRITON_INTERPRET=1 on machines without CUDA); flex forward only (no backward on CPU).
+flash-attn has no CPU kernels: its glue (flattening, cu_seqlens) runs against a stand-in module
+that computes each sequence with eager attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+from hpctrain.ops.attention import ATTENTION_BACKENDS, eager_attention
+from hpctrain.ops.attention_flash import flash_backend
+from hpctrain.ops.documents import Documents
+from tests.conftest import make_config
+
+L, H = 70, 16
+GQA = {"gqa1": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}
+ROWS = [[1, 3, 1, 33, 31, 1], [70]]  # many documents (three of length 1) | one document
+
+
+def _docs(layout: str) -> Documents | None:
+    if layout == "none":
+        return None
+    ids = [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in ROWS]
+    return Documents.from_ids(torch.stack(ids))
+
+
+def _inputs(N: int, K: int, dtype: torch.dtype, *, head_dim: int = H, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    make = [torch.randn(len(ROWS), L, n, head_dim, generator=gen, dtype=dtype) for n in (N, K, K)]
+    return [x.transpose(1, 2).requires_grad_() for x in make]  # B N L H views, as in the model
+
+
+def _compare(backend: str, gqa: str, layout: str, dtype, tol: float, *, backward: bool = True,
+             head_dim: int = H):
+    N, K = GQA[gqa]
+    q, k, v = _inputs(N, K, dtype, head_dim=head_dim)
+    docs = _docs(layout)
+    ref = eager_attention(*(x.double() for x in (q, k, v)), docs)
+    with torch.set_grad_enabled(backward):
+        out = ATTENTION_BACKENDS[backend](q, k, v, docs)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    if not backward:
+        return
+    grad = torch.randn(ref.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad.double())
+    for name, g, w in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), rtol=tol, atol=tol, msg=f"d{name}")
+
+
+CASES = [(g, layout) for g in GQA for layout in ("none", "docs")]
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+    reason="triton on CPU runs under its interpreter (pip install triton; tests/gpu on CUDA)")
+
+
+@pytest.mark.parametrize("gqa,layout", CASES)
+def test_sdpa_matches_eager_fp64(gqa, layout):
+    _compare("sdpa", gqa, layout, torch.float64, 1e-12)
+
+
+@pytest.mark.parametrize("gqa,layout", CASES)
+def test_flex_forward_matches_eager_fp64(gqa, layout):
+    _compare("flex", gqa, layout, torch.float64, 1e-12, backward=False)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gqa,layout", CASES)
+def test_triton_matches_eager_fp32_interpreted(gqa, layout):
+    _compare("triton", gqa, layout, torch.float32, 2e-5)
+
+
+@needs_interpreter
+def test_triton_pads_a_small_head_dim():
+    """H = 8 is padded to the 16 lanes tl.dot needs; the padding never leaks into results."""
+    _compare("triton", "gqa2", "docs", torch.float32, 2e-5, head_dim=8)
+
+
+def test_tile_ranges_skip_tiles_no_query_can_see():
+    """Rows 0-2 doc 0, 3-7 doc 1, 8-9 doc 2; tiles of 4. Query tile 2 (rows 8-9) starts at its
+    document (key 8): key tiles 0 and 1 are skipped. Key tile 0 (keys 0-3) ends with doc 1, so
+    queries past row 8 never visit it."""
+    from hpctrain.ops.triton_attention import tile_ranges
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0] * 10])
+    kv_lo, q_hi = tile_ranges(ids, bm=4, bn=4)
+    assert kv_lo.tolist() == [[0, 0, 8], [0, 0, 0]]
+    assert q_hi.tolist() == [[8, 8, 10], [10, 10, 10]]
+
+
+def _eager_rows(q_TNH, k_TKH, v_TKH):
+    return eager_attention(*(x.transpose(0, 1)[None] for x in (q_TNH, k_TKH, v_TKH)))[0]
+
+
+@pytest.fixture
+def stand_in_flash(monkeypatch):
+    """A flash_attn module computing with eager attention, one sequence per cu_seqlens span."""
+    mod = types.ModuleType("flash_attn")
+
+    def flash_attn_func(q_BLNH, k_BLKH, v_BLKH, *, causal):
+        assert causal
+        return eager_attention(*(x.transpose(1, 2) for x in (q_BLNH, k_BLKH, v_BLKH))) \
+            .transpose(1, 2)
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, *, causal):
+        assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
+        out = torch.empty_like(q)
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            out[s:e] = _eager_rows(q[s:e], k[s:e], v[s:e]).transpose(0, 1)
+        return out
+
+    mod.flash_attn_func, mod.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+
+
+@pytest.mark.parametrize("layout", ["none", "docs"])
+def test_flash_glue_gives_each_document_its_own_sequence(stand_in_flash, layout):
+    N, K = GQA["gqa2"]
+    q, k, v = _inputs(N, K, torch.float64)
+    docs = _docs(layout)
+    torch.testing.assert_close(flash_backend(q, k, v, docs), eager_attention(q, k, v, docs),
+                               rtol=0, atol=1e-12)
+
+
+def test_flex_refuses_backward_on_cpu():
+    q, k, v = _inputs(4, 2, torch.float32)
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        ATTENTION_BACKENDS["flex"](q, k, v)
+
+
+TRAIN = ["model=debug", "train=debug", "logger.wandb=disabled", "cluster.device=cpu"]
+
+
+@pytest.mark.parametrize("backend,words", [
+    ("flex", ["model.attention=flex has no backward on CPU", "model.attention=sdpa"]),
+    ("flash", ["model.attention=flash", "hpctrain[flash]", "is cpu", "cluster.device=cuda"]),
+])
+def test_config_refuses_backends_the_device_cannot_train_with(backend, words):
+    with pytest.raises(ValueError) as err:
+        make_config([*TRAIN, f"model.attention={backend}"])
+    for w in words:
+        assert w in str(err.value)
+
+
+@needs_interpreter
+def test_config_needs_the_interpreter_for_triton_on_cpu(monkeypatch):
+    make_config([*TRAIN, "model.attention=triton"])  # TRITON_INTERPRET=1 (conftest): accepted
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="start the process with TRITON_INTERPRET=1"):
+        make_config([*TRAIN, "model.attention=triton"])
