@@ -69,6 +69,8 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("tiny", _BYTE_VOCAB, 128, 4, 4, 2, 352, 256),
         ModelConfig("small", _BYTE_VOCAB, 384, 8, 6, 2, 1024, 512),
         ModelConfig("medium", 32000, 1024, 24, 16, 8, 2816, 2048),
+        ModelConfig("llama3_1b", 128256, 2048, 16, 32, 8, 8192, 8192, rope_theta=500000.0,
+                    tied_embeddings=True),
         ModelConfig("llama3_8b", 128256, 4096, 32, 32, 8, 14336, 8192, rope_theta=500000.0),
         ModelConfig("llama3_70b", 128256, 8192, 80, 64, 8, 28672, 8192, rope_theta=500000.0),
         ModelConfig("llama3_405b", 128256, 16384, 126, 128, 8, 53248, 8192, rope_theta=500000.0),

@@ -106,6 +106,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def _head_pad(H: int) -> int:
     return max(16, 1 << (H - 1).bit_length())  # tl.arange needs a power of two, tl.dot ≥ 16
 
@@ -114,35 +124,37 @@ def _forward(q, k, v, ids, *, interpret):
     B, N, L, H = q.shape
     bm, bn = _tiles("fwd", interpret)
     o = torch.empty(B, L, N, H, dtype=q.dtype, device=q.device).transpose(1, 2)  # BNLH view
-    lse = torch.empty(B, N, L, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, N, L, dtype=_acc_dtype(q.dtype), device=q.device)
     kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
     grid = (triton_cdiv(L, bm), B * N)
     kernels().fwd[grid](
         q, k, v, o, lse, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        L, H, N, N // k.shape[1], _scale(H) * math.log2(math.e),
+        L, H, N, N // k.shape[1], QK_SCALE2=_scale(H) * math.log2(math.e),
         HAS_DOCS=ids is not None, BM=bm, BN=bn, HP=_head_pad(H), PREC=_precision(q.dtype),
-        **_launch("fwd", interpret))
+        ACC=_tl_dtype(q.dtype), **_launch("fwd", interpret))
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, ids, *, interpret):
     B, N, L, H = q.shape
     K = k.shape[1]
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # Δ_i = Σ_h dO∘O: the preprocess
+    # The preprocess: Δ_i = Σ_h dO_ih O_ih, in the accumulation dtype.
+    delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(HAS_DOCS=ids is not None, HP=_head_pad(H), PREC=_precision(q.dtype))
-    scales = (_scale(H) * math.log2(math.e), _scale(H))
+    common = dict(HAS_DOCS=ids is not None, HP=_head_pad(H), PREC=_precision(q.dtype),
+                  ACC=_tl_dtype(q.dtype))
+    scales = dict(QK_SCALE2=_scale(H) * math.log2(math.e), SM_SCALE=_scale(H))
     bm, bn = _tiles("dq", interpret)
     kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
     kernels().dq[(triton_cdiv(L, bm), B * N)](
         q, k, v, do, dq, lse, delta, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dq), L, H, N, N // K, *scales, BM=bm, BN=bn, **common,
+        *_strides(do), *_strides(dq), L, H, N, N // K, **scales, BM=bm, BN=bn, **common,
         **_launch("dq", interpret))
     bm, bn = _tiles("dkdv", interpret)
     q_hi = tile_ranges(ids, bm=bm, bn=bn)[1] if ids is not None else None
     kernels().dkdv[(triton_cdiv(L, bn), B * K)](
         q, k, v, do, dk, dv, lse, delta, ids, q_hi, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dk), *_strides(dv), L, H, K, N // K, *scales, BM=bm, BN=bn,
+        *_strides(do), *_strides(dk), *_strides(dv), L, H, K, N // K, **scales, BM=bm, BN=bn,
         **common, **_launch("dkdv", interpret))
     return dq, dk, dv
 

@@ -19,6 +19,9 @@ no query of a tile can see are never visited: the caller passes, per tile, the f
 visible query (Q_HI, the end of the last key's document); without documents the causal bounds
 are used. The kv head of query head n is n // G: k and v are indexed, never copied.
 
+ACC is the accumulation dtype (fp32, or fp64 for fp64 inputs); LSE2 and Δ are stored in it.
+The scales are compile-time constants: exact in fp64 under the interpreter (a float argument
+would be rounded to fp32), and one compiled variant per head dim on the GPU.
 The functions here are undecorated: `triton_attention.kernels` wraps them with `triton.jit`
 once for the GPU and once for Triton's CPU interpreter.
 """
@@ -30,9 +33,9 @@ import triton.language as tl
 
 def attn_fwd(Q, K, V, O, LSE, IDS, KV_LO,
              sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sob, son, sol,
-             L, H, N, G, qk_scale2,
-             HAS_DOCS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-             PREC: tl.constexpr):
+             L, H, N, G,
+             QK_SCALE2: tl.constexpr, HAS_DOCS: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, HP: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     tile, bn = tl.program_id(0), tl.program_id(1)
     b, n = (bn // N).to(tl.int64), bn % N
     kh = (n // G).to(tl.int64)
@@ -46,15 +49,15 @@ def attn_fwd(Q, K, V, O, LSE, IDS, KV_LO,
     if HAS_DOCS:
         ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
         lo = tl.load(KV_LO + b * tl.cdiv(L, BM) + tile)
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, HP], tl.float32)
+    m_i = tl.full([BM], float("-inf"), ACC)
+    l_i = tl.zeros([BM], ACC)
+    acc = tl.zeros([BM, HP], ACC)
     for start in range(lo, hi, BN):
         offs_n = start + tl.arange(0, BN)
         n_ok = offs_n < L
         kv_mask = n_ok[:, None] & h_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * skl + offs_h[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * QK_SCALE2
         keep = (offs_m[:, None] >= offs_n[None, :]) & n_ok[None, :]
         if HAS_DOCS:
             ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
@@ -78,9 +81,10 @@ def attn_fwd(Q, K, V, O, LSE, IDS, KV_LO,
 
 def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, IDS, KV_LO,
                 sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sdb, sdn, sdl, sgb, sgn, sgl,
-                L, H, N, G, qk_scale2, sm_scale,
-                HAS_DOCS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-                PREC: tl.constexpr):
+                L, H, N, G,
+                QK_SCALE2: tl.constexpr, SM_SCALE: tl.constexpr, HAS_DOCS: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, PREC: tl.constexpr,
+                ACC: tl.constexpr):
     tile, bn = tl.program_id(0), tl.program_id(1)
     b, n = (bn // N).to(tl.int64), bn % N
     kh = (n // G).to(tl.int64)
@@ -99,7 +103,7 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, IDS, KV_LO,
     if HAS_DOCS:
         ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
         lo = tl.load(KV_LO + b * tl.cdiv(L, BM) + tile)
-    dq = tl.zeros([BM, HP], tl.float32)
+    dq = tl.zeros([BM, HP], ACC)
     for start in range(lo, hi, BN):
         offs_n = start + tl.arange(0, BN)
         n_ok = offs_n < L
@@ -110,21 +114,22 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, IDS, KV_LO,
         if HAS_DOCS:
             ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
             keep = keep & (ids_q[:, None] == ids_k[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale2
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * QK_SCALE2
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + b * sgb + n * sgn + offs_m[:, None] * sgl + offs_h[None, :], dq * sm_scale,
+    tl.store(DQ + b * sgb + n * sgn + offs_m[:, None] * sgl + offs_h[None, :], dq * SM_SCALE,
              mask=row_mask)
 
 
 def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, IDS, Q_HI,
                   sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sdb, sdn, sdl,
                   sgb, sgn, sgl, swb, swn, swl,
-                  L, H, KV, G, qk_scale2, sm_scale,
-                  HAS_DOCS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-                  PREC: tl.constexpr):
+                  L, H, KV, G,
+                  QK_SCALE2: tl.constexpr, SM_SCALE: tl.constexpr, HAS_DOCS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, PREC: tl.constexpr,
+                  ACC: tl.constexpr):
     tile, bk = tl.program_id(0), tl.program_id(1)
     b, kh = (bk // KV).to(tl.int64), (bk % KV).to(tl.int64)
     offs_n = tile * BN + tl.arange(0, BN)
@@ -139,8 +144,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, IDS, Q_HI,
     if HAS_DOCS:
         ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
         hi = tl.load(Q_HI + b * tl.cdiv(L, BN) + tile)
-    dk = tl.zeros([BN, HP], tl.float32)
-    dv = tl.zeros([BN, HP], tl.float32)
+    dk = tl.zeros([BN, HP], ACC)
+    dv = tl.zeros([BN, HP], ACC)
     for g in range(0, G):
         n = kh * G + g
         row = (b * G * KV + n) * L  # LSE / DELTA row of (b, n)
@@ -158,13 +163,13 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, IDS, Q_HI,
             if HAS_DOCS:
                 ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
                 keep = keep & (ids_k[:, None] == ids_q[None, :])
-            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale2
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * QK_SCALE2
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    tl.store(DK + b * sgb + kh * sgn + offs_n[:, None] * sgl + offs_h[None, :], dk * sm_scale,
+    tl.store(DK + b * sgb + kh * sgn + offs_n[:, None] * sgl + offs_h[None, :], dk * SM_SCALE,
              mask=kv_mask)
     tl.store(DV + b * swb + kh * swn + offs_n[:, None] * swl + offs_h[None, :], dv,
              mask=kv_mask)

@@ -4,8 +4,9 @@ Cases: GQA ratios 1, 2, 4 and MQA; L = 70 tokens (not a multiple of the Triton i
 32-row tile nor of flex's 128 block); no documents, and a batch whose first row holds many
 documents including ones of length 1 (first, middle, last) and a document spanning tiles, and
 whose second row is one document. Inputs have the model's layout (a transposed B L N H
-buffer). sdpa and flex in fp64; triton in fp32 under Triton's interpreter (tests/unit/conftest.py
-sets TRITON_INTERPRET=1 on machines without CUDA); flex forward only (no backward on CPU).
+buffer). All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/unit/conftest.py
+sets TRITON_INTERPRET=1 on machines without CUDA; its kernels accumulate in fp64 for fp64
+inputs), plus triton in fp32, the dtype CPU training uses; flex forward only (no CPU backward).
 flash-attn has no CPU kernels: its glue (flattening, cu_seqlens) runs against a stand-in module
 that computes each sequence with eager attention.
 """
@@ -78,13 +79,14 @@ def test_flex_forward_matches_eager_fp64(gqa, layout):
 
 @needs_interpreter
 @pytest.mark.parametrize("gqa,layout", CASES)
-def test_triton_matches_eager_fp32_interpreted(gqa, layout):
-    _compare("triton", gqa, layout, torch.float32, 2e-5)
+def test_triton_matches_eager_fp64_interpreted(gqa, layout):
+    _compare("triton", gqa, layout, torch.float64, 1e-12)
 
 
 @needs_interpreter
-def test_triton_pads_a_small_head_dim():
-    """H = 8 is padded to the 16 lanes tl.dot needs; the padding never leaks into results."""
+def test_triton_fp32_and_a_small_head_dim():
+    """fp32 as CPU training runs it; H = 8 is padded to the 16 lanes tl.dot needs and the
+    padding never leaks into results."""
     _compare("triton", "gqa2", "docs", torch.float32, 2e-5, head_dim=8)
 
 
