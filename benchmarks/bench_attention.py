@@ -147,6 +147,8 @@ def main(argv=None) -> str:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    # flex compiles per shape; past the default 8 graphs torch would silently run it unfused.
+    torch._dynamo.config.recompile_limit = 64
     torch.set_num_threads(1)
     lines = [HEADER]
     for length in args.lengths:

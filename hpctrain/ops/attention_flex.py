@@ -11,6 +11,11 @@ What runs where in torch 2.13 (measured on this project's CPU machines):
     fp64 comparison). There is no backward on CPU: with inputs that require grad torch raises
     NotImplementedError, so this backend raises a ValueError naming the fix first, and config
     validation refuses training with model.attention=flex on CPU before any process starts.
+
+Compilation is per shape (dynamic=False): each new (L, dtype, with/without documents) compiles
+once; new documents in the same shape do not (their ids are an input of the graph). Past
+torch._dynamo's recompile_limit (8 graphs) torch falls back to the unfused path with a warning
+— a training run uses one or two shapes; the benchmarks, which sweep many, raise the limit.
 """
 
 from __future__ import annotations

@@ -1,0 +1,206 @@
+"""GPU sections of benchmarks/gpu/run.sh; each writes <section>.json and <section>.md to --out.
+
+  attention  bf16 forward and forward+backward TFLOP/s (useful FLOPs: causal pairs inside
+             documents only, bench_attention.attention_flops) and peak memory of sdpa, triton,
+             flex and flash (when importable) at L = 1k…16k, B·L = 16k tokens, with and without
+             packed documents. A backend that fails records its error; the others go on.
+  mfu        a ~1B Llama (model=llama3_1b) trained a few steps by hpctrain's own Trainer
+             (model + data-parallel engine, bf16, no checkpoint) with each backend: the median
+             MFU, tokens/s and step time after --skip (2) warm-up steps, as the trainer
+             computes them.
+
+--dry-run: CPU, tiny sizes (fp64 attention; model=debug), to keep the script working without a
+GPU. Sections to add later (fp8, compile) follow the same shape: a function in SECTIONS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout
+
+from bench_attention import attention_flops, make_docs  # noqa: E402
+
+from hpctrain.ops.attention import ATTENTION_BACKENDS  # noqa: E402
+
+
+def _backends(dry: bool) -> list[str]:
+    names = ["sdpa", "triton", "flex"]
+    if not dry and importlib.util.find_spec("flash_attn") is not None:
+        names.append("flash")
+    return names
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, *, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _peak_mb(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def _attention_case(name, shape, docs, *, device, dtype, backward, args):
+    B, N, K, L, H = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, L, n, H, device=device, dtype=dtype, generator=gen)
+               .transpose(1, 2).requires_grad_(backward) for n in (N, K, K))
+    fn = ATTENTION_BACKENDS[name]
+
+    def call():
+        with torch.set_grad_enabled(backward):
+            out = fn(q, k, v, docs)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    seconds = _time(call, device, warmup=args.warmup, iters=args.iters)
+    flops = attention_flops(docs, batch=B, length=L, heads=N, head_dim=H, backward=backward)
+    return {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
+            "peak_mb": _peak_mb(call, device)}
+
+
+def section_attention(args, device) -> list[dict]:
+    dtype = torch.float64 if args.dry_run else torch.bfloat16
+    lengths = [64] if args.dry_run else [1024, 2048, 4096, 8192, 16384]
+    N, K, H = (2, 1, 16) if args.dry_run else (16, 4, 128)
+    rows = []
+    for L in lengths:
+        B = max(1, args.tokens // L)
+        for docs in (None, make_docs(B, L, mean=args.doc_mean, device=str(device))):
+            for name in _backends(args.dry_run):
+                for backward in (False, True):
+                    if backward and name == "flex" and device.type == "cpu":
+                        continue  # flex has no backward on CPU
+                    row = {"backend": name, "L": L, "B": B, "N": N, "K": K, "H": H,
+                           "docs_per_row": 1 if docs is None else
+                           sum(map(len, docs.lengths())) / B,
+                           "direction": "fwd+bwd" if backward else "fwd"}
+                    try:
+                        row |= _attention_case(name, (B, N, K, L, H), docs, device=device,
+                                               dtype=dtype, backward=backward, args=args)
+                    except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def section_mfu(args, device) -> list[dict]:
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.train.trainer import Trainer
+    from tests.conftest import make_config
+
+    if args.dry_run:
+        over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
+                "data.max_bytes=200000"]
+    else:
+        over = ["model=llama3_1b", "train.seq_len=4096", "train.micro_batch_size=4",
+                "train.global_batch_size=4", "train.precision=bf16", "data.max_bytes=8000000"]
+    over += [f"cluster.device={device.type}", "logger.wandb=disabled", "train.eval_every=0",
+             f"train.steps={args.steps}", "train.resume=never"]
+    _init_single_process(device)
+    rows = []
+    for name in _backends(args.dry_run) + (["eager"] if args.dry_run else []):
+        row = {"backend": name}
+        try:
+            with tempfile.TemporaryDirectory() as run_dir:
+                cfg = make_config([*over, f"model.attention={name}"], run_dir=run_dir)
+                trainer = Trainer(cfg, build_mesh(ParallelDims(), rank=0, device=device))
+                steps = [trainer.train_one() for _ in range(args.steps)][args.skip:]
+                del trainer
+            row |= {k: statistics.median(s[k] for s in steps) if steps[0][k] is not None
+                    else None for k in ("mfu", "tokens_per_s", "step_time_s")}
+        except Exception as e:  # noqa: BLE001 - a refused or failing backend is a result
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _init_single_process(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    store = dist.FileStore(tempfile.mktemp(prefix="hpctrain-bench-"), 1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=300))
+
+
+SECTIONS = {"attention": section_attention, "mfu": section_mfu}
+
+
+def _markdown(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
+    for r in rows:
+        cells = [f"{r[k]:.3g}" if isinstance(r.get(k), float)
+                 else str(r.get(k, "")).replace("\n", " ").replace("|", "/") for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("section", choices=list(SECTIONS))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--tokens", type=int, default=16384, help="B·L of each attention case")
+    p.add_argument("--doc-mean", type=float, default=1024.0)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--steps", type=int, default=8, help="mfu: trainer steps per backend")
+    p.add_argument("--skip", type=int, default=2, help="mfu: warm-up steps left out")
+    args = p.parse_args(argv)
+    # flex compiles per shape; past the default 8 graphs torch would silently run it unfused.
+    torch._dynamo.config.recompile_limit = 64
+    if args.dry_run:
+        args.tokens, args.doc_mean, args.warmup, args.iters = 64, 16.0, 1, 1
+        args.steps, args.skip = 2, 1
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    rows = SECTIONS[args.section](args, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dry_run": args.dry_run, "argv": sys.argv[1:]}
+    (args.out / f"{args.section}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (args.out / f"{args.section}.md").write_text(f"<!-- {json.dumps(meta)} -->\n"
+                                                 + _markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
