@@ -19,11 +19,9 @@ use; a mismatch between device and mode is a ValueError naming the fix.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -44,15 +42,11 @@ def interpreter_on() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-@functools.cache
-def kernels() -> SimpleNamespace:
-    """The three kernels, jitted in the process's Triton mode (see the module docstring)."""
-    import triton
+def kernels():
+    """The kernel module, jitted in the process's Triton mode (see the module docstring)."""
+    from hpctrain.ops import triton_attention_kernels
 
-    from hpctrain.ops import triton_attention_kernels as raw
-
-    return SimpleNamespace(fwd=triton.jit(raw.attn_fwd), dq=triton.jit(raw.attn_bwd_dq),
-                           dkdv=triton.jit(raw.attn_bwd_dkdv))
+    return triton_attention_kernels
 
 
 def mode_problem(device_type: str) -> str | None:
@@ -127,7 +121,7 @@ def _forward(q, k, v, ids, *, interpret):
     lse = torch.empty(B, N, L, dtype=_acc_dtype(q.dtype), device=q.device)
     kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
     grid = (triton_cdiv(L, bm), B * N)
-    kernels().fwd[grid](
+    kernels().attn_fwd[grid](
         q, k, v, o, lse, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         L, H, N, N // k.shape[1], QK_SCALE2=_scale(H) * math.log2(math.e),
         HAS_DOCS=ids is not None, BM=bm, BN=bn, HP=_head_pad(H), PREC=_precision(q.dtype),
@@ -146,13 +140,13 @@ def _backward(do, q, k, v, o, lse, ids, *, interpret):
     scales = dict(QK_SCALE2=_scale(H) * math.log2(math.e), SM_SCALE=_scale(H))
     bm, bn = _tiles("dq", interpret)
     kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
-    kernels().dq[(triton_cdiv(L, bm), B * N)](
+    kernels().attn_bwd_dq[(triton_cdiv(L, bm), B * N)](
         q, k, v, do, dq, lse, delta, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v),
         *_strides(do), *_strides(dq), L, H, N, N // K, **scales, BM=bm, BN=bn, **common,
         **_launch("dq", interpret))
     bm, bn = _tiles("dkdv", interpret)
     q_hi = tile_ranges(ids, bm=bm, bn=bn)[1] if ids is not None else None
-    kernels().dkdv[(triton_cdiv(L, bn), B * K)](
+    kernels().attn_bwd_dkdv[(triton_cdiv(L, bn), B * K)](
         q, k, v, do, dk, dv, lse, delta, ids, q_hi, *_strides(q), *_strides(k), *_strides(v),
         *_strides(do), *_strides(dk), *_strides(dv), L, H, K, N // K, **scales, BM=bm, BN=bn,
         **common, **_launch("dkdv", interpret))

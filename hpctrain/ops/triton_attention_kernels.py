@@ -22,15 +22,51 @@ are used. The kv head of query head n is n // G: k and v are indexed, never copi
 ACC is the accumulation dtype (fp32, or fp64 for fp64 inputs); LSE2 and Δ are stored in it.
 The scales are compile-time constants: exact in fp64 under the interpreter (a float argument
 would be rounded to fp32), and one compiled variant per head dim on the GPU.
-The functions here are undecorated: `triton_attention.kernels` wraps them with `triton.jit`
-once for the GPU and once for Triton's CPU interpreter.
+Importing this module jits the kernels in the process's Triton mode (compiled, or the CPU
+interpreter under TRITON_INTERPRET=1): `triton_attention` imports it on first use.
 """
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 
+@triton.jit
+def _load_rows(base, offs, stride, offs_h, ok, h_ok):
+    """Rows `offs` of one head's [L, H] matrix (row stride `stride`); zeros past L and H."""
+    return tl.load(base + offs[:, None] * stride + offs_h[None, :],
+                   mask=ok[:, None] & h_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, offs, stride, offs_h, ok, h_ok, value):
+    tl.store(base + offs[:, None] * stride + offs_h[None, :], value,
+             mask=ok[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _ids(IDS, row, offs, ok, HAS_DOCS: tl.constexpr):
+    """Document ids of positions `offs` of the row starting at IDS + row (without documents
+    IDS is None and the result unused placeholders)."""
+    if HAS_DOCS:
+        ids = tl.load(IDS + row + offs, mask=ok, other=-1)
+    else:
+        ids = offs
+    return ids
+
+
+@triton.jit
+def _visible(q_idx, k_idx, q_ok, k_ok, q_ids, k_ids, HAS_DOCS: tl.constexpr):
+    """Which (query, key) pairs may attend — causal, both inside L, same document — for
+    broadcastable index blocks ([BM, 1] against [1, BN], or the transpose)."""
+    keep = (q_idx >= k_idx) & q_ok & k_ok
+    if HAS_DOCS:
+        keep = keep & (q_ids == k_ids)
+    return keep
+
+
+@triton.jit
 def attn_fwd(Q, K, V, O, LSE, IDS, KV_LO,
              sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sob, son, sol,
              L, H, N, G,
@@ -39,46 +75,40 @@ def attn_fwd(Q, K, V, O, LSE, IDS, KV_LO,
     tile, bn = tl.program_id(0), tl.program_id(1)
     b, n = (bn // N).to(tl.int64), bn % N
     kh = (n // G).to(tl.int64)
-    offs_m = tile * BM + tl.arange(0, BM)
-    offs_h = tl.arange(0, HP)
+    offs_m, offs_h = tile * BM + tl.arange(0, BM), tl.arange(0, HP)
     m_ok, h_ok = offs_m < L, offs_h < H
-    q = tl.load(Q + b * sqb + n * sqn + offs_m[:, None] * sql + offs_h[None, :],
-                mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-    k_base, v_base = K + b * skb + kh * skn, V + b * svb + kh * svn
-    lo, hi = 0, tl.minimum((tile + 1) * BM, L)
+    q = _load_rows(Q + b * sqb + n * sqn, offs_m, sql, offs_h, m_ok, h_ok)
+    ids_q = _ids(IDS, b * L, offs_m, m_ok, HAS_DOCS)
+    lo = 0
     if HAS_DOCS:
-        ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
         lo = tl.load(KV_LO + b * tl.cdiv(L, BM) + tile)
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
     acc = tl.zeros([BM, HP], ACC)
-    for start in range(lo, hi, BN):
+    for start in range(lo, tl.minimum((tile + 1) * BM, L), BN):
         offs_n = start + tl.arange(0, BN)
         n_ok = offs_n < L
-        kv_mask = n_ok[:, None] & h_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skl + offs_h[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * QK_SCALE2
-        keep = (offs_m[:, None] >= offs_n[None, :]) & n_ok[None, :]
-        if HAS_DOCS:
-            ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
-            keep = keep & (ids_q[:, None] == ids_k[None, :])
-        s = tl.where(keep, s, float("-inf"))
+        k = _load_rows(K + b * skb + kh * skn, offs_n, skl, offs_h, n_ok, h_ok)
+        keep = _visible(offs_m[:, None], offs_n[None, :], m_ok[:, None], n_ok[None, :],
+                        ids_q[:, None], _ids(IDS, b * L, offs_n, n_ok, HAS_DOCS)[None, :],
+                        HAS_DOCS)
+        s = tl.where(keep, tl.dot(q, tl.trans(k), input_precision=PREC) * QK_SCALE2,
+                     float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that sees no key of this tile keeps max −inf; shift by 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * svl + offs_h[None, :], mask=kv_mask, other=0.0)
+        v = _load_rows(V + b * svb + kh * svn, offs_n, svl, offs_h, n_ok, h_ok)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past L see no key at all
-    acc = acc / l_safe[:, None]
-    tl.store(O + b * sob + n * son + offs_m[:, None] * sol + offs_h[None, :], acc,
-             mask=m_ok[:, None] & h_ok[None, :])
+    _store_rows(O + b * sob + n * son, offs_m, sol, offs_h, m_ok, h_ok, acc / l_safe[:, None])
     tl.store(LSE + bn.to(tl.int64) * L + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
 
+@triton.jit
 def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, IDS, KV_LO,
                 sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sdb, sdn, sdl, sgb, sgn, sgl,
                 L, H, N, G,
@@ -88,41 +118,33 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, IDS, KV_LO,
     tile, bn = tl.program_id(0), tl.program_id(1)
     b, n = (bn // N).to(tl.int64), bn % N
     kh = (n // G).to(tl.int64)
-    offs_m = tile * BM + tl.arange(0, BM)
-    offs_h = tl.arange(0, HP)
+    offs_m, offs_h = tile * BM + tl.arange(0, BM), tl.arange(0, HP)
     m_ok, h_ok = offs_m < L, offs_h < H
-    row_mask = m_ok[:, None] & h_ok[None, :]
-    q = tl.load(Q + b * sqb + n * sqn + offs_m[:, None] * sql + offs_h[None, :],
-                mask=row_mask, other=0.0)
-    do = tl.load(DO + b * sdb + n * sdn + offs_m[:, None] * sdl + offs_h[None, :],
-                 mask=row_mask, other=0.0)
+    q = _load_rows(Q + b * sqb + n * sqn, offs_m, sql, offs_h, m_ok, h_ok)
+    do = _load_rows(DO + b * sdb + n * sdn, offs_m, sdl, offs_h, m_ok, h_ok)
     lse = tl.load(LSE + bn.to(tl.int64) * L + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + bn.to(tl.int64) * L + offs_m, mask=m_ok, other=0.0)
-    k_base, v_base = K + b * skb + kh * skn, V + b * svb + kh * svn
-    lo, hi = 0, tl.minimum((tile + 1) * BM, L)
+    ids_q = _ids(IDS, b * L, offs_m, m_ok, HAS_DOCS)
+    lo = 0
     if HAS_DOCS:
-        ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
         lo = tl.load(KV_LO + b * tl.cdiv(L, BM) + tile)
     dq = tl.zeros([BM, HP], ACC)
-    for start in range(lo, hi, BN):
+    for start in range(lo, tl.minimum((tile + 1) * BM, L), BN):
         offs_n = start + tl.arange(0, BN)
         n_ok = offs_n < L
-        kv_mask = n_ok[:, None] & h_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skl + offs_h[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svl + offs_h[None, :], mask=kv_mask, other=0.0)
-        keep = (offs_m[:, None] >= offs_n[None, :]) & n_ok[None, :] & m_ok[:, None]
-        if HAS_DOCS:
-            ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
-            keep = keep & (ids_q[:, None] == ids_k[None, :])
+        k = _load_rows(K + b * skb + kh * skn, offs_n, skl, offs_h, n_ok, h_ok)
+        v = _load_rows(V + b * svb + kh * svn, offs_n, svl, offs_h, n_ok, h_ok)
+        keep = _visible(offs_m[:, None], offs_n[None, :], m_ok[:, None], n_ok[None, :],
+                        ids_q[:, None], _ids(IDS, b * L, offs_n, n_ok, HAS_DOCS)[None, :],
+                        HAS_DOCS)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * QK_SCALE2
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + b * sgb + n * sgn + offs_m[:, None] * sgl + offs_h[None, :], dq * SM_SCALE,
-             mask=row_mask)
+    _store_rows(DQ + b * sgb + n * sgn, offs_m, sgl, offs_h, m_ok, h_ok, dq * SM_SCALE)
 
 
+@triton.jit
 def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, IDS, Q_HI,
                   sqb, sqn, sql, skb, skn, skl, svb, svn, svl, sdb, sdn, sdl,
                   sgb, sgn, sgl, swb, swn, swl,
@@ -132,44 +154,33 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, IDS, Q_HI,
                   ACC: tl.constexpr):
     tile, bk = tl.program_id(0), tl.program_id(1)
     b, kh = (bk // KV).to(tl.int64), (bk % KV).to(tl.int64)
-    offs_n = tile * BN + tl.arange(0, BN)
-    offs_h = tl.arange(0, HP)
+    offs_n, offs_h = tile * BN + tl.arange(0, BN), tl.arange(0, HP)
     n_ok, h_ok = offs_n < L, offs_h < H
-    kv_mask = n_ok[:, None] & h_ok[None, :]
-    k = tl.load(K + b * skb + kh * skn + offs_n[:, None] * skl + offs_h[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + kh * svn + offs_n[:, None] * svl + offs_h[None, :],
-                mask=kv_mask, other=0.0)
-    lo, hi = (tile * BN // BM) * BM, L
+    k = _load_rows(K + b * skb + kh * skn, offs_n, skl, offs_h, n_ok, h_ok)
+    v = _load_rows(V + b * svb + kh * svn, offs_n, svl, offs_h, n_ok, h_ok)
+    ids_k = _ids(IDS, b * L, offs_n, n_ok, HAS_DOCS)
+    hi = L
     if HAS_DOCS:
-        ids_k = tl.load(IDS + b * L + offs_n, mask=n_ok, other=-2)
         hi = tl.load(Q_HI + b * tl.cdiv(L, BN) + tile)
     dk = tl.zeros([BN, HP], ACC)
     dv = tl.zeros([BN, HP], ACC)
-    for g in range(0, G):
+    for g in range(0, G):  # the query heads sharing this kv head: no atomics needed
         n = kh * G + g
         row = (b * G * KV + n) * L  # LSE / DELTA row of (b, n)
-        for start in range(lo, hi, BM):
+        for start in range((tile * BN // BM) * BM, hi, BM):
             offs_m = start + tl.arange(0, BM)
             m_ok = offs_m < L
-            row_mask = m_ok[:, None] & h_ok[None, :]
-            q = tl.load(Q + b * sqb + n * sqn + offs_m[:, None] * sql + offs_h[None, :],
-                        mask=row_mask, other=0.0)
-            do = tl.load(DO + b * sdb + n * sdn + offs_m[:, None] * sdl + offs_h[None, :],
-                         mask=row_mask, other=0.0)
+            q = _load_rows(Q + b * sqb + n * sqn, offs_m, sql, offs_h, m_ok, h_ok)
+            do = _load_rows(DO + b * sdb + n * sdn, offs_m, sdl, offs_h, m_ok, h_ok)
             lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
-            keep = (offs_m[None, :] >= offs_n[:, None]) & m_ok[None, :] & n_ok[:, None]
-            if HAS_DOCS:
-                ids_q = tl.load(IDS + b * L + offs_m, mask=m_ok, other=-1)
-                keep = keep & (ids_k[:, None] == ids_q[None, :])
+            keep = _visible(offs_m[None, :], offs_n[:, None], m_ok[None, :], n_ok[:, None],
+                            _ids(IDS, b * L, offs_m, m_ok, HAS_DOCS)[None, :], ids_k[:, None],
+                            HAS_DOCS)
             s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * QK_SCALE2
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-            ds_t = p_t * (dp_t - delta[None, :])
+            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    tl.store(DK + b * sgb + kh * sgn + offs_n[:, None] * sgl + offs_h[None, :], dk * SM_SCALE,
-             mask=kv_mask)
-    tl.store(DV + b * swb + kh * swn + offs_n[:, None] * swl + offs_h[None, :], dv,
-             mask=kv_mask)
+    _store_rows(DK + b * sgb + kh * sgn, offs_n, sgl, offs_h, n_ok, h_ok, dk * SM_SCALE)
+    _store_rows(DV + b * swb + kh * swn, offs_n, swl, offs_h, n_ok, h_ok, dv)
