@@ -53,7 +53,7 @@ def mode_problem(device_type: str) -> str | None:
     """Why this process cannot run the kernels on `device_type`, with the fix; None if it can."""
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if "triton" in sys.modules:
-        interpret = interpreter_on()  # the mode Triton fixed when it was imported
+        interpret = interpreter_on()  # Triton's own reading of the setting
     if device_type == "cuda" and interpret:
         return ("model.attention=triton on CUDA but TRITON_INTERPRET=1 runs Triton's CPU "
                 "interpreter (slow, wrong in bf16): unset TRITON_INTERPRET")

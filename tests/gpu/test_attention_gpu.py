@@ -66,7 +66,8 @@ def test_backend_bf16_error_within_twice_sdpa(backend, gqa, layout, head_dim):
 
 @pytest.mark.parametrize("backend", ["triton", "flex"])
 def test_training_with_each_backend_tracks_sdpa(tmp_path, backend):
-    over = ["model=debug", "train=debug", "train.steps=6", "train.eval_every=0",
+    """model=tiny: head dim 32 (flex needs ≥ 16)."""
+    over = ["model=tiny", "train=debug", "train.steps=6", "train.eval_every=0",
             "logger.wandb=disabled", "data.max_bytes=300000", "cluster.device=cuda",
             "train.precision=bf16"]
     tasks.run(make_config(over, run_dir=tmp_path / "sdpa"))
