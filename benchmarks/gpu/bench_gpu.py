@@ -1,9 +1,10 @@
 """GPU sections of benchmarks/gpu/run.sh; each writes <section>.json and <section>.md to --out.
 
-  attention  bf16 forward and forward+backward TFLOP/s (useful FLOPs: causal pairs inside
-             documents only, bench_attention.attention_flops) and peak memory of sdpa, triton,
-             flex and flash (when importable) at L = 1k…16k, B·L = 16k tokens, with and without
-             packed documents. A backend that fails records its error; the others go on.
+  attention  bf16 forward+backward TFLOP/s (useful FLOPs: causal pairs inside documents only,
+             bench_attention.attention_flops) and peak memory of sdpa, triton, flex and flash
+             (when importable) at L = 1k, 4k, 16k (--lengths), B·L = 16k tokens, 16 query and
+             4 kv heads of dim 128, with and without packed documents (mean 1,024 tokens).
+             A backend that fails records its error; the others go on.
   mfu        a ~1B Llama (model=llama3_1b) trained a few steps by hpctrain's own Trainer
              (model + data-parallel engine, bf16, no checkpoint) with each backend: the median
              MFU, tokens/s and step time after --skip (2) warm-up steps, as the trainer
@@ -90,18 +91,20 @@ def _attention_case(name, shape, docs, *, device, dtype, backward, args):
             "peak_mb": _peak_mb(call, device)}
 
 
+def _directions(name: str, device: torch.device) -> tuple[bool, ...]:
+    """backward? per case: fwd+bwd everywhere, forward only for flex on CPU (no backward)."""
+    return (False,) if name == "flex" and device.type == "cpu" else (True,)
+
+
 def section_attention(args, device) -> list[dict]:
     dtype = torch.float64 if args.dry_run else torch.bfloat16
-    lengths = [64] if args.dry_run else [1024, 2048, 4096, 8192, 16384]
     N, K, H = (2, 1, 16) if args.dry_run else (16, 4, 128)
     rows = []
-    for L in lengths:
+    for L in args.lengths:
         B = max(1, args.tokens // L)
         for docs in (None, make_docs(B, L, mean=args.doc_mean, device=str(device))):
             for name in _backends(args.dry_run):
-                for backward in (False, True):
-                    if backward and name == "flex" and device.type == "cpu":
-                        continue  # flex has no backward on CPU
+                for backward in _directions(name, device):
                     row = {"backend": name, "L": L, "B": B, "N": N, "K": K, "H": H,
                            "docs_per_row": 1 if docs is None else
                            sum(map(len, docs.lengths())) / B,
@@ -179,6 +182,8 @@ def main(argv=None) -> None:
     p.add_argument("section", choices=list(SECTIONS))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true")
+    # Every (L, documents) pair compiles flex (and triton) once: 3 lengths fit the time budget.
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--tokens", type=int, default=16384, help="B·L of each attention case")
     p.add_argument("--doc-mean", type=float, default=1024.0)
     p.add_argument("--warmup", type=int, default=3)
@@ -189,7 +194,7 @@ def main(argv=None) -> None:
     # flex compiles per shape; past the default 8 graphs torch would silently run it unfused.
     torch._dynamo.config.recompile_limit = 64
     if args.dry_run:
-        args.tokens, args.doc_mean, args.warmup, args.iters = 64, 16.0, 1, 1
+        args.lengths, args.tokens, args.doc_mean, args.warmup, args.iters = [64], 64, 16.0, 1, 1
         args.steps, args.skip = 2, 1
     device = torch.device("cpu" if args.dry_run else "cuda")
     os.environ.setdefault("WANDB_SILENT", "true")
