@@ -75,21 +75,58 @@ def _launch(name: str, interpret: bool) -> dict:
     return {"num_warps": warps, "num_stages": stages}
 
 
-def tile_ranges(ids_BL: torch.Tensor, *, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tiles can see each other under causal document masks (ids non-decreasing per row).
-
-    kv_lo[b, t]: first key (a multiple of bn) that query tile t (rows t·bm …) may see — the
-    start of its first row's document. q_hi[b, t]: one past the last query that key tile t
-    (keys t·bn …) is visible to — the end of its last key's document. Tiles outside are skipped.
-    """
+def _doc_bounds(ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First index and one-past-last index of each token's document (ids non-decreasing)."""
     ids_BL = ids_BL.contiguous()
+    return (torch.searchsorted(ids_BL, ids_BL, right=False),
+            torch.searchsorted(ids_BL, ids_BL, right=True))
+
+
+def query_tile_ranges(ids_BL: torch.Tensor, *, bm: int, bn: int) -> torch.Tensor:
+    """[B, tiles, 3] int32 (lo, free_lo, free_hi) for the query tiles (rows t·bm … t·bm+bm−1).
+
+    Keys [lo, hi) may be visible (hi = min(t·bm + bm, L)); lo is the start of the first row's
+    document rounded down to bn, so tiles before it are skipped. Keys [free_lo, free_hi) are
+    visible to every row — the tile lies in one document and they are in it, before row t·bm —
+    so they run without a mask. lo ≤ free_lo ≤ free_hi ≤ hi, all multiples of bn.
+    """
+    assert bm % bn == 0, (bm, bn)  # the mask-free keys must end exactly at the tile's first row
+    first, _ = _doc_bounds(ids_BL)
     L = ids_BL.shape[1]
-    first_BL = torch.searchsorted(ids_BL, ids_BL, right=False)
-    end_BL = torch.searchsorted(ids_BL, ids_BL, right=True)
-    q_rows = torch.arange(0, L, bm, device=ids_BL.device)
-    k_last = torch.arange(bn - 1, L + bn - 1, bn, device=ids_BL.device).clamp(max=L - 1)
-    kv_lo = first_BL[:, q_rows] // bn * bn
-    return kv_lo.int().contiguous(), end_BL[:, k_last].int().contiguous()
+    m0 = torch.arange(0, L, bm, device=ids_BL.device)
+    single = ids_BL[:, m0] == ids_BL[:, (m0 + bm - 1).clamp(max=L - 1)]
+    lo = first[:, m0] // bn * bn
+    free_lo = torch.where(single, -(-first[:, m0] // bn) * bn, lo)
+    free_hi = torch.where(single, m0.expand_as(lo), lo)
+    return torch.stack([lo, free_lo, free_hi], dim=-1).int().contiguous()
+
+
+def key_tile_ranges(ids_BL: torch.Tensor, *, bm: int, bn: int) -> torch.Tensor:
+    """[B, tiles, 3] int32 (free_lo, free_hi, hi) for the key tiles (keys t·bn … t·bn+bn−1).
+
+    Queries [lo, hi) may see the tile (lo = t·bn rounded down to bm; hi = the end of its last
+    key's document), so later query tiles are skipped. Queries [free_lo, free_hi) see all of
+    it — the tile lies in one document, the queries are in it and after its last key — so they
+    run without a mask. lo ≤ free_lo ≤ free_hi ≤ hi; free_* are multiples of bm.
+    """
+    _, end = _doc_bounds(ids_BL)
+    L = ids_BL.shape[1]
+    n0 = torch.arange(0, L, bn, device=ids_BL.device)
+    n_last = (n0 + bn - 1).clamp(max=L - 1)
+    hi = end[:, n_last]
+    f_lo, f_hi = -(-(n0 + bn - 1) // bm) * bm, end[:, n0] // bm * bm
+    # f_lo < f_hi implies the tile is whole and in one document: otherwise its first key's
+    # document ends (and L comes) by its last key, so f_hi ≤ last key ≤ f_lo.
+    ok = f_lo < f_hi
+    free_lo, free_hi = torch.where(ok, f_lo, hi), torch.where(ok, f_hi, hi)
+    return torch.stack([free_lo, free_hi, hi], dim=-1).int().contiguous()
+
+
+def _ranges(fn, ids, *, B: int, L: int, bm: int, bn: int, device) -> torch.Tensor:
+    """fn's tile ranges for every row; without documents one row of zeros, shared (stride 0)."""
+    if ids is not None:
+        return fn(ids, bm=bm, bn=bn)
+    return fn(torch.zeros(1, L, dtype=torch.int32, device=device), bm=bm, bn=bn).expand(B, -1, -1)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -119,11 +156,11 @@ def _forward(q, k, v, ids, *, interpret):
     bm, bn = _tiles("fwd", interpret)
     o = torch.empty(B, L, N, H, dtype=q.dtype, device=q.device).transpose(1, 2)  # BNLH view
     lse = torch.empty(B, N, L, dtype=_acc_dtype(q.dtype), device=q.device)
-    kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
+    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
     grid = (triton_cdiv(L, bm), B * N)
     kernels().attn_fwd[grid](
-        q, k, v, o, lse, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        L, H, N, N // k.shape[1], QK_SCALE2=_scale(H) * math.log2(math.e),
+        q, k, v, o, lse, ids, ranges, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        ranges.stride(0), L, H, N, N // k.shape[1], QK_SCALE2=_scale(H) * math.log2(math.e),
         HAS_DOCS=ids is not None, BM=bm, BN=bn, HP=_head_pad(H), PREC=_precision(q.dtype),
         ACC=_tl_dtype(q.dtype), **_launch("fwd", interpret))
     return o, lse
@@ -139,17 +176,17 @@ def _backward(do, q, k, v, o, lse, ids, *, interpret):
                   ACC=_tl_dtype(q.dtype))
     scales = dict(QK_SCALE2=_scale(H) * math.log2(math.e), SM_SCALE=_scale(H))
     bm, bn = _tiles("dq", interpret)
-    kv_lo = tile_ranges(ids, bm=bm, bn=bn)[0] if ids is not None else None
+    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
     kernels().attn_bwd_dq[(triton_cdiv(L, bm), B * N)](
-        q, k, v, do, dq, lse, delta, ids, kv_lo, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dq), L, H, N, N // K, **scales, BM=bm, BN=bn, **common,
-        **_launch("dq", interpret))
+        q, k, v, do, dq, lse, delta, ids, ranges, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dq), ranges.stride(0), L, H, N, N // K, **scales, BM=bm,
+        BN=bn, **common, **_launch("dq", interpret))
     bm, bn = _tiles("dkdv", interpret)
-    q_hi = tile_ranges(ids, bm=bm, bn=bn)[1] if ids is not None else None
+    ranges = _ranges(key_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
     kernels().attn_bwd_dkdv[(triton_cdiv(L, bn), B * K)](
-        q, k, v, do, dk, dv, lse, delta, ids, q_hi, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dk), *_strides(dv), L, H, K, N // K, **scales, BM=bm, BN=bn,
-        **common, **_launch("dkdv", interpret))
+        q, k, v, do, dk, dv, lse, delta, ids, ranges, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dk), *_strides(dv), ranges.stride(0), L, H, K, N // K,
+        **scales, BM=bm, BN=bn, **common, **_launch("dkdv", interpret))
     return dq, dk, dv
 
 

@@ -1,12 +1,15 @@
 """Every attention backend against the eager reference, forward and backward (dq, dk, dv).
 
 Cases: GQA ratios 1, 2, 4 and MQA; L = 70 tokens (not a multiple of the Triton interpreter's
-32-row tile nor of flex's 128 block); no documents, and a batch whose first row holds many
-documents including ones of length 1 (first, middle, last) and a document spanning tiles, and
-whose second row is one document. Inputs have the model's layout (a transposed B L N H
-buffer). All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/unit/conftest.py
-sets TRITON_INTERPRET=1 on machines without CUDA; its kernels accumulate in fp64 for fp64
-inputs), plus triton in fp32, the dtype CPU training uses; flex forward only (no CPU backward).
+32-row tile nor of flex's 128 block); no documents, and a batch whose rows hold many documents
+including ones of length 1 (first, middle, last) and one spanning tiles, ending inside the
+last query tile (whose later rows must stay masked from it) | one document | two layouts
+where the triton kernels skip the mask inside a document: forward/dq on row 2 (keys
+32-63 for rows 64-69, in a document starting at 4), dk/dv on row 3 (rows 32-63 for keys 0-31,
+in a document ending at 64 < L). Inputs have the model's layout (a transposed B L N H buffer).
+All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/unit/conftest.py sets
+TRITON_INTERPRET=1 on machines without CUDA; its kernels accumulate in fp64 for fp64 inputs) —
+plus triton in fp32, the dtype CPU training uses; flex forward only (no CPU backward).
 flash-attn has no CPU kernels: its glue (flattening, cu_seqlens) runs against a stand-in module
 that computes each sequence with eager attention.
 """
@@ -27,7 +30,7 @@ from tests.conftest import make_config
 
 L, H = 70, 16
 GQA = {"gqa1": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}
-ROWS = [[1, 3, 1, 33, 31, 1], [70]]  # many documents (three of length 1) | one document
+ROWS = [[1, 3, 1, 62, 2, 1], [70], [1, 3, 66], [64, 6]]
 
 
 def _docs(layout: str) -> Documents | None:
@@ -90,16 +93,22 @@ def test_triton_fp32_and_a_small_head_dim():
     _compare("triton", "gqa2", "docs", torch.float32, 2e-5, head_dim=8)
 
 
-def test_tile_ranges_skip_tiles_no_query_can_see():
-    """Rows 0-2 doc 0, 3-7 doc 1, 8-9 doc 2; tiles of 4. Query tile 2 (rows 8-9) starts at its
-    document (key 8): key tiles 0 and 1 are skipped. Key tile 0 (keys 0-3) ends with doc 1, so
-    queries past row 8 never visit it."""
-    from hpctrain.ops.triton_attention import tile_ranges
+def test_tile_ranges_skip_invisible_tiles_and_unmask_fully_visible_ones():
+    """Rows 0-2 doc 0, 3-9 doc 1, 10-11 doc 2; tiles of 4 rows and 2 keys (query side) and
+    4 keys and 2 rows (key side). Query tile 2 (rows 8-11) spans docs 1 and 2: keys from 2
+    (doc 1 starts at 3, rounded down), all masked. Query tile 1 (rows 4-7) lies in doc 1: keys
+    4-7 are causally masked, 2-3 hold doc 0's last key, none is mask-free (doc 1 starts at 3,
+    rounded up to 4 = the tile's first row). Key tile 1 (keys 4-7, in doc 1): queries 4-9 may
+    see it, and rows 8-9 (a whole 2-row tile after key 7, inside doc 1) see all of it."""
+    from hpctrain.ops.triton_attention import key_tile_ranges, query_tile_ranges
 
-    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [0] * 10])
-    kv_lo, q_hi = tile_ranges(ids, bm=4, bn=4)
-    assert kv_lo.tolist() == [[0, 0, 8], [0, 0, 0]]
-    assert q_hi.tolist() == [[8, 8, 10], [10, 10, 10]]
+    ids = torch.tensor([[0] * 3 + [1] * 7 + [2] * 2, [0] * 12])
+    assert query_tile_ranges(ids, bm=4, bn=2).tolist() == [
+        [[0, 0, 0], [2, 4, 4], [2, 2, 2]],  # (lo, free_lo, free_hi) per query tile
+        [[0, 0, 0], [0, 0, 4], [0, 0, 8]]]
+    assert key_tile_ranges(ids, bm=2, bn=4).tolist() == [
+        [[10, 10, 10], [8, 10, 10], [12, 12, 12]],  # (free_lo, free_hi, hi) per key tile
+        [[4, 12, 12], [8, 12, 12], [12, 12, 12]]]
 
 
 def _eager_rows(q_TNH, k_TKH, v_TKH):
