@@ -18,6 +18,7 @@ from hpctrain.bench.config import check_bench as bench_problems
 from hpctrain.bench.task import needs_data
 from hpctrain.config import Config, Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
+from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.batching import check_batched
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
@@ -171,9 +172,6 @@ def check_device(c: Config) -> list[str]:
 
 def check_attention(c: Config) -> list[str]:
     """The backend's device, dtype and direction limits (ops.attention.backend_problem)."""
-    from hpctrain.distributed.device import resolve_device_type
-    from hpctrain.ops.attention import backend_problem
-
     if c.cluster.launcher == "slurm" and "SLURM_PROCID" not in os.environ:
         return []  # submitting from a login node: checked again in each Slurm task
     problem = backend_problem(c.model.attention, device_type=resolve_device_type(
