@@ -16,8 +16,9 @@ import importlib.util
 import torch
 
 from hpctrain.ops.documents import Documents
+from hpctrain.ops.documents_cache import LastDocuments
 
-DTYPES = (torch.bfloat16, torch.float16)
+_cu_seqlens = LastDocuments(Documents.cu_seqlens)  # one host sync per batch, not per layer
 
 
 def flash_problem(*, device_type: str, precision: str) -> str | None:
@@ -43,7 +44,7 @@ def flash_backend(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tens
     q_BLNH, k_BLKH, v_BLKH = (x.transpose(1, 2) for x in (q_BNLH, k_BKLH, v_BKLH))
     if docs is None:
         return flash_attn_func(q_BLNH, k_BLKH, v_BLKH, causal=True).transpose(1, 2)
-    cu_seqlens, longest = docs.cu_seqlens()
+    cu_seqlens, longest = _cu_seqlens.get(docs)
     q_TNH, k_TKH, v_TKH = (x.reshape(B * L, x.shape[2], H) for x in (q_BLNH, k_BLKH, v_BLKH))
     o_TNH = flash_attn_varlen_func(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens, longest, longest,
                                    causal=True)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hpctrain.ops.documents import Documents
+from hpctrain.ops.documents_cache import LastDocuments
 
 # dtypes flex_attention compiles for on CPU (and on CUDA); others take the reference path.
 COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,23 +50,6 @@ def _causal_block_mask(L: int, device: str) -> BlockMask:
     return create_block_mask(_causal, None, None, L, L, device=device)
 
 
-class _LastDocsMask:
-    """The block mask of the last Documents seen: every layer of one forward reuses it (a
-    block mask costs a B·L² mask evaluation). Keyed by the ids tensor itself (weakly) and its
-    version counter, so a new batch or an in-place change rebuilds it."""
-
-    def __init__(self):
-        self._ids_ref, self._version, self._mask = None, -1, None
-
-    def get(self, docs: Documents) -> BlockMask:
-        ids_BL = docs.ids_BL
-        if (self._ids_ref is None or self._ids_ref() is not ids_BL
-                or self._version != ids_BL._version):
-            self._mask = documents_block_mask(docs)
-            self._ids_ref, self._version = weakref.ref(ids_BL), ids_BL._version
-        return self._mask
-
-
 def documents_block_mask(docs: Documents) -> BlockMask:
     """BlockMask of causal attention inside each document of each row."""
     ids_BL = docs.ids_BL
@@ -78,7 +61,7 @@ def documents_block_mask(docs: Documents) -> BlockMask:
     return create_block_mask(same_doc_causal, B, None, L, L, device=str(ids_BL.device))
 
 
-_last_docs_mask = _LastDocsMask()
+_last_docs_mask = LastDocuments(documents_block_mask)  # every layer of a forward reuses it
 
 
 def flex_backend(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor,

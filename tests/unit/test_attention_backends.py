@@ -111,6 +111,20 @@ def test_tile_ranges_skip_invisible_tiles_and_unmask_fully_visible_ones():
         [[4, 12, 12], [8, 12, 12], [12, 12, 12]]]
 
 
+def test_per_batch_memo_rebuilds_for_a_new_or_changed_batch():
+    from hpctrain.ops.documents_cache import LastDocuments
+
+    built = []
+    memo = LastDocuments(lambda d: built.append(d) or len(built))
+    docs = _docs("docs")
+    assert memo.get(docs) == memo.get(docs) == 1  # every layer of one forward: built once
+    assert memo.get(_docs("docs")) == 2  # the next batch (another ids tensor)
+    docs2 = Documents.from_ids(torch.zeros(1, 4, dtype=torch.long))
+    memo.get(docs2)
+    docs2.ids_BL[0, 3] = 1  # changed in place
+    assert memo.get(docs2) == 4
+
+
 def _eager_rows(q_TNH, k_TKH, v_TKH):
     return eager_attention(*(x.transpose(0, 1)[None] for x in (q_TNH, k_TKH, v_TKH)))[0]
 
