@@ -17,6 +17,8 @@ that computes each sequence with eager attention.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 import types
 
@@ -26,7 +28,7 @@ import torch
 from hpctrain.ops.attention import ATTENTION_BACKENDS, eager_attention
 from hpctrain.ops.attention_flash import flash_backend
 from hpctrain.ops.documents import Documents
-from tests.conftest import make_config
+from tests.conftest import ROOT, make_config
 
 L, H = 70, 16
 GQA = {"gqa1": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}
@@ -123,6 +125,46 @@ def test_per_batch_memo_rebuilds_for_a_new_or_changed_batch():
     memo.get(docs2)
     docs2.ids_BL[0, 3] = 1  # changed in place
     assert memo.get(docs2) == 4
+
+
+COMPILE_FOR_H100 = r"""
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hpctrain.ops import triton_attention as ta, triton_attention_kernels as kern
+
+for fn, name in ((kern.attn_fwd, "fwd"), (kern.attn_bwd_dq, "dq"), (kern.attn_bwd_dkdv, "dkdv")):
+    for docs in (True, False):
+        ptrs = {n: "*fp32" if n in ("LSE", "DELTA") else "*i32" if n in ("IDS", "RANGES")
+                else "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE",
+                                       "DELTA", "IDS", "RANGES")}
+        sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "i32")
+               for p in fn.params}
+        bm, bn = ta.GPU_TILES[name]
+        consts = {"QK_SCALE2": 0.1275, "SM_SCALE": 0.0884, "HAS_DOCS": docs, "BM": bm,
+                  "BN": bn, "HP": 128, "PREC": "tf32", "ACC": tl.float32}
+        consts = {k: v for k, v in consts.items() if k in sig}
+        if not docs:
+            sig["IDS"], consts["IDS"] = "constexpr", None
+        warps, stages = ta.GPU_LAUNCH[name]
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        assert k.metadata.shared <= 227 * 1024, (name, k.metadata.shared)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_kernels_compile_for_h100_without_a_gpu():
+    """The GPU path, short of running: Triton compiles the three kernels in bf16 (with and
+    without documents, head dim 128, the launch's tiles and warps) to sm_90 machine code, with
+    its bundled ptxas, in a process without the interpreter; shared memory fits (≤ 227 KiB)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
 
 
 def _eager_rows(q_TNH, k_TKH, v_TKH):
