@@ -9,9 +9,12 @@ connect tokens of one document, causally: mask[i, j] = ids[i] == ids[j] and j â‰
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+IGNORE_INDEX = -100  # a target the loss skips: padding of dynamically batched rows
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class Documents:
         ids_BL = torch.zeros(batch, length, dtype=torch.long, device=device)
         return cls.from_ids(ids_BL)
 
+    def to(self, device: torch.device | str) -> Documents:
+        return Documents(ids_BL=self.ids_BL.to(device), positions_BL=self.positions_BL.to(device))
+
     def mask_BLL(self) -> torch.Tensor:
         """Boolean attention mask: True where query i may attend to key j."""
         L = self.ids_BL.shape[1]
@@ -64,3 +70,11 @@ class Documents:
         cu = torch.zeros(len(flat) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(flat, dtype=torch.int32), dim=0)
         return cu.to(self.ids_BL.device), max(flat)
+
+
+def split_micro_batch(micro: Sequence) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+    """A micro-batch is (inputs_BL, targets_BL) or (inputs_BL, targets_BL, docs): the
+    boundaries travel with the tokens, so every consumer (a whole model, any pipeline stage)
+    masks the same documents. Returns the three parts, docs None for unpacked rows."""
+    inputs_BL, targets_BL, *rest = micro
+    return inputs_BL, targets_BL, (rest[0] if rest else None)
