@@ -85,3 +85,17 @@ def test_padding_below_5_percent_on_default_data_at_4096_tokens(tmp_path):
     measured = float((targets == IGNORE_INDEX).double().mean())
     assert measured == pytest.approx(ds.padding_fraction, abs=1e-12)
     assert measured < 0.05, measured
+
+
+def test_packing_keys_have_defaults_and_clear_errors():
+    from tests.conftest import make_config
+
+    cfg = make_config([])
+    assert (cfg.data.packing, cfg.train.batching) == ("documents", "rows")
+    with pytest.raises(ValueError, match=r"data.packing='document' is not one of .*did you mean "
+                                         r"data.packing=documents"):
+        make_config(["data.packing=document"])
+    with pytest.raises(ValueError, match=r"train.batching=tokens .* needs data.packing=documents"
+                                         r", not data.packing=none: set data.packing=documents "
+                                         r"or train.batching=rows"):
+        make_config(["train.batching=tokens", "data.packing=none"])
