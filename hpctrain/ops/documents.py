@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -52,7 +53,12 @@ class Documents:
         return Documents(ids_BL=self.ids_BL.to(device), positions_BL=self.positions_BL.to(device))
 
     def mask_BLL(self) -> torch.Tensor:
-        """Boolean attention mask: True where query i may attend to key j."""
+        """Boolean attention mask: True where query i may attend to key j. Built once per
+        Documents (every layer of a forward, and its recomputation, shares it)."""
+        return self._mask_BLL
+
+    @cached_property
+    def _mask_BLL(self) -> torch.Tensor:
         L = self.ids_BL.shape[1]
         causal_LL = torch.ones(L, L, dtype=torch.bool, device=self.ids_BL.device).tril()
         same_BLL = self.ids_BL[:, :, None] == self.ids_BL[:, None, :]
