@@ -96,9 +96,8 @@ class TrainConfig:
     # A NaN/inf loss or grad norm: stop (exit 3), skip the update, or roll back to the last
     # verified checkpoint and skip that data (hpctrain.train.nonfinite).
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
-    # rows: micro-batches of windows cut from the token stream; tokens: rows of whole documents
-    # grouped by length with little padding (hpctrain.data.packing; needs data.packing=documents).
-    # Either way a micro-batch is micro_batch_size × seq_len tokens: the token budget.
+    # rows: windows cut from the token stream; tokens: whole documents grouped by length, little
+    # padding (hpctrain.data.packing). Budget per micro-batch: micro_batch_size × seq_len tokens.
     batching: Literal["rows", "tokens"] = "rows"
 
 
@@ -127,8 +126,7 @@ class DataConfig:
     max_bytes: int = 4_000_000
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/hpctrain"
-    # documents: attention stays inside each document of a row and RoPE positions restart at
-    # each (boundaries at the end-of-document token); none: a row is one sequence.
+    # documents: attention and RoPE positions stay inside each document; none: a row is one text
     packing: Literal["documents", "none"] = "documents"
 
 
