@@ -99,3 +99,16 @@ def test_packing_keys_have_defaults_and_clear_errors():
                                          r", not data.packing=none: set data.packing=documents "
                                          r"or train.batching=rows"):
         make_config(["train.batching=tokens", "data.packing=none"])
+
+
+def test_row_windows_carry_documents_split_at_the_end_token(tmp_path):
+    out = prepare(_files(tmp_path, ["abc", "de", "fghij"], val_fraction=0.1))
+    packed = open_split(out, "train", seq_len=8, packing="documents", batching="rows")
+    inputs, targets, docs = packed.rows([0])
+    assert inputs[0].tolist()[:5] == [97, 98, 99, BYTE_EOD, 100]
+    assert docs.ids_BL[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]  # the end token closes its own
+    assert docs.positions_BL[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert (targets != IGNORE_INDEX).all()  # windows have no padding
+    plain = open_split(out, "train", seq_len=8, packing="none", batching="rows")
+    x, y, none = plain.rows([0])
+    assert none is None and x.equal(inputs) and y.equal(targets)
