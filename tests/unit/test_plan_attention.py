@@ -57,3 +57,24 @@ def test_batch_counts_real_tokens_documents_and_squared_lengths():
     assert cfg.training_flops(tokens=8, attended=64) == 8 * cfg.flops_per_token(8)
     unpacked = batch_counts([(targets, torch.ones(2, 8, dtype=torch.long))])
     assert (unpacked.documents, unpacked.attended) == (2, 2 * 64)
+
+
+def test_plan_task_counts_document_tokens(tmp_path):
+    """task=plan with plan.document_tokens: fewer attention FLOPs, a shorter predicted step and
+    the same memory; a bad value is refused with the key."""
+    from hpctrain.plan.task import run_plan
+    from tests.conftest import make_config
+
+    base = ["task=plan", "model=llama3_8b", "cluster.accelerator=H100-SXM",
+            "cluster.procs_per_node=8", "parallel.dp=8", "train.precision=bf16",
+            "train.seq_len=8192", "train.global_batch_size=64", "train.micro_batch_size=1"]
+    rows = run_plan(make_config(base, run_dir=tmp_path / "rows"))
+    docs = run_plan(make_config([*base, "plan.document_tokens=1024"], run_dir=tmp_path / "d"))
+    assert docs["inputs"]["attended_per_token"] == 1024
+    assert docs["memory_bytes"] == rows["memory_bytes"]
+    assert docs["time"]["compute_s"] < rows["time"]["compute_s"]
+    long_docs = run_plan(make_config([*base, "plan.document_tokens=100000"],
+                                     run_dir=tmp_path / "l"))
+    assert long_docs["time"] == rows["time"]  # documents longer than a row: whole rows
+    with pytest.raises(ValueError, match="plan.document_tokens=0"):
+        make_config([*base, "plan.document_tokens=0"], run_dir=tmp_path)
