@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from hpctrain.config import Config
+from hpctrain.data.dataset import Sampler, open_split
+from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt
@@ -29,11 +31,9 @@ from hpctrain.parallel.data import build_data_parallel
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
-from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import make_loggers, print_summary, summarize
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.data.prepare import prepare
 from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import eval_loss
 from hpctrain.train.tensor_parallel import (
