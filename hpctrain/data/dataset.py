@@ -31,6 +31,7 @@ class TokenDataset:
     def __init__(self, directory: Path, split: str, *, seq_len: int, packing: str = "none"):
         meta = json.loads((directory / "meta.json").read_text())
         self.vocab_size, self.eod = meta["vocab_size"], meta["eod"]
+        self.documents = meta.get(f"{split}_documents")  # eod tokens in the split, if recorded
         self.tokens = np.memmap(directory / f"{split}.bin", dtype=meta["dtype"], mode="r")
         self.seq_len, self.packing = seq_len, packing
         self.n_samples = (len(self.tokens) - 1) // seq_len
@@ -55,7 +56,8 @@ def open_split(directory: Path, split: str, *, seq_len: int, packing: str, batch
     ds = TokenDataset(directory, split, seq_len=seq_len, packing=packing)
     if batching == "rows":
         return ds
-    return PackedDocuments(directory, split, seq_len=seq_len, tokens=ds.tokens, eod=ds.eod)
+    return PackedDocuments(directory, split, seq_len=seq_len, tokens=ds.tokens, eod=ds.eod,
+                           count=ds.documents)
 
 
 @lru_cache(maxsize=4)

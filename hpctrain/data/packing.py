@@ -48,18 +48,21 @@ def write_document_index(path: Path, offsets: np.ndarray) -> None:
     tmp.replace(path)
 
 
-def load_document_index(directory: Path, split: str, tokens: np.ndarray, *,
-                        eod: int) -> np.ndarray:
+def load_document_index(directory: Path, split: str, tokens: np.ndarray, *, eod: int,
+                        count: int | None = None) -> np.ndarray:
     """The verified document index of `split`, built (and cached) if missing.
 
-    Raises ValueError naming the file when a cached index disagrees with the tokens (a
-    different count, or an offset that does not hold eod): delete it and it is rebuilt."""
+    `count`: the split's number of eod tokens as prepare recorded it in meta.json (None: count
+    them, one pass over the tokens). Raises ValueError naming the file when the index disagrees
+    with the tokens (another count, an offset out of order or not holding eod): delete it and it
+    is rebuilt."""
     path = directory / f"{split}.idx"
     if not path.exists():
         log.info("building the document index %s", path)
         write_document_index(path, build_document_index(tokens, eod=eod))
     offsets = np.fromfile(path, dtype=np.int64)
-    count = int(np.count_nonzero(np.asarray(tokens) == eod))
+    if count is None:
+        count = int(np.count_nonzero(np.asarray(tokens) == eod))
     bad = (len(offsets) != count or (len(offsets) and (offsets[-1] >= len(tokens)
            or np.any(np.diff(offsets) <= 0) or np.any(tokens[offsets] != eod))))
     if bad:
@@ -107,9 +110,9 @@ class PackedDocuments:
     Same interface as `TokenDataset` for the sampler: `n_samples` rows, `rows(indices)`."""
 
     def __init__(self, directory: Path, split: str, *, seq_len: int, tokens: np.ndarray,
-                 eod: int):
+                 eod: int, count: int | None = None):
         self.tokens, self.eod, self.seq_len = tokens, eod, seq_len
-        offsets = load_document_index(directory, split, tokens, eod=eod)
+        offsets = load_document_index(directory, split, tokens, eod=eod, count=count)
         self.pieces = document_pieces(offsets, n_tokens=len(tokens), max_len=seq_len)
         self.packed = pack_rows(self.pieces[:, 1], row_len=seq_len)
         self.n_samples = len(self.packed)

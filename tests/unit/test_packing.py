@@ -71,9 +71,10 @@ def test_document_index_is_written_by_prepare_and_verified(tmp_path):
     (out / "train.idx").unlink()  # an older cache without it: rebuilt on first use
     open_split(out, "train", seq_len=4, packing="documents", batching="tokens")
     assert np.fromfile(out / "train.idx", dtype=np.int64).tolist() == offsets.tolist()
-    (offsets + 1).tofile(out / "train.idx")  # corrupted: refused, naming the file and the fix
-    with pytest.raises(ValueError, match=r"train\.idx does not match .*delete"):
-        open_split(out, "train", seq_len=4, packing="documents", batching="tokens")
+    for bad in (offsets + 1, offsets[:-1]):  # shifted, truncated: refused, naming the fix
+        bad.tofile(out / "train.idx")
+        with pytest.raises(ValueError, match=r"train\.idx does not match .*delete"):
+            open_split(out, "train", seq_len=4, packing="documents", batching="tokens")
 
 
 def test_padding_below_5_percent_on_default_data_at_4096_tokens(tmp_path):
