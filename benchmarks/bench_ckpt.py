@@ -32,11 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.distributed.dims import ParallelDims  # noqa: E402
+from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.scaler import LossScaler  # noqa: E402
+from hpctrain.parallel.state import parallel_state  # noqa: E402
 from hpctrain.train import checkpoint as ckpt  # noqa: E402
 from hpctrain.train import ckpt_catalog, manifest  # noqa: E402
-from hpctrain.train.scaler import LossScaler  # noqa: E402
 
 
 def _evict(directory: Path) -> None:
@@ -63,7 +66,8 @@ def _model(name: str, dim: int | None, layers: int | None) -> tuple[ModelConfig,
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     engine.train_step([(tokens, tokens)], n_micro=1, precision="fp32",
                       scaler=LossScaler(enabled=False), grad_clip=1.0)
-    return cfg, model, engine
+    mesh = build_mesh(ParallelDims(), rank=0, device=torch.device("cpu"))
+    return cfg, model, parallel_state(model, mesh=mesh, engine=engine)
 
 
 class _HashClock:
@@ -80,10 +84,10 @@ class _HashClock:
             self.seconds += time.perf_counter() - t0
 
 
-def _round(run_dir: Path, step: int, cfg, model, opt, clock: _HashClock) -> dict[str, float]:
+def _round(run_dir: Path, step: int, cfg, parallel, clock: _HashClock) -> dict[str, float]:
     clock.seconds = 0.0
     t0 = time.perf_counter()
-    path = ckpt.save(ckpt.checkpoint_dir(run_dir, step), model=model, engine=opt,
+    path = ckpt.save(ckpt.checkpoint_dir(run_dir, step), parallel=parallel,
                      train_state={"step": step, "dp": 1, "tp": 1, "pp": 1, "zero": 0},
                      rank_state={}, model_config=cfg, keep=1)
     save_s = time.perf_counter() - t0
@@ -95,11 +99,11 @@ def _round(run_dir: Path, step: int, cfg, model, opt, clock: _HashClock) -> dict
     verified = ckpt_catalog.verify(path)
     cold_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt.load(verified, model=model, engine=opt, model_config=cfg)
+    ckpt.load(verified, parallel=parallel, model_config=cfg)
     load_s = time.perf_counter() - t0
     _evict(path)
     t0 = time.perf_counter()
-    ckpt.load(verified, model=model, engine=opt, model_config=cfg)  # Verified: no re-check
+    ckpt.load(verified, parallel=parallel, model_config=cfg)  # Verified: no re-check
     load_cold_s = time.perf_counter() - t0
     mb = sum(e["size"] for e in verified.manifest["files"].values()) / 1e6
     return {"mb": mb, "save_s": save_s, "hash_s": clock.seconds, "verify_warm_s": warm_s,
@@ -118,10 +122,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=300))
-        cfg, model, opt = _model(args.model, args.dim, args.layers)
+        cfg, _, parallel = _model(args.model, args.dim, args.layers)
         clock = _HashClock()
         manifest.digest_files = clock  # save() calls it through the module
-        rows = [_round(Path(tmp) / "run", i + 1, cfg, model, opt, clock)
+        rows = [_round(Path(tmp) / "run", i + 1, cfg, parallel, clock)
                 for i in range(args.repeats)]
         dist.destroy_process_group()
     _report(cfg, rows)

@@ -36,12 +36,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.config import OptimConfig  # noqa: E402
-from hpctrain.metrics.memory import storage_bytes  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.memory import storage_bytes  # noqa: E402
+from hpctrain.parallel.scaler import LossScaler  # noqa: E402
+from hpctrain.parallel.step import lm_loss  # noqa: E402
 from hpctrain.train.optim import param_groups  # noqa: E402
-from hpctrain.train.scaler import LossScaler  # noqa: E402
-from hpctrain.train.step import lm_loss  # noqa: E402
 
 PAIRS = {"dp": (0, "ddp"), "zero1": (1, "zero_redundancy"), "zero3": (3, "fsdp2")}
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)

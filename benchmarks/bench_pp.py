@@ -36,8 +36,8 @@ from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.parallel.pipeline.stage import PipelineStage, build_local_stages
+from hpctrain.parallel.step import lm_loss
 from hpctrain.train.pipeline import measured_bubble
-from hpctrain.train.step import lm_loss
 
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 1}  # name → virtual_stages argument
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -48,7 +48,7 @@ TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
 def hp_variant(name: str, cfg, rank: int, args):
     sched = build_schedule(name, pp=2, microbatches=args.microbatches,
                            virtual_stages=SCHEDULES[name])
-    local = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
+    local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=[0, 1],
                               act_shape=(args.mb, args.seq, cfg.dim))
     opt = torch.optim.AdamW(local.parameters(), lr=1e-3)

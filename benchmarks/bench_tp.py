@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from common import CollectiveBytes, bench_config, median, spawn, state_bytes, to_nn_linear
 
 from hpctrain.models import build_model
+from hpctrain.parallel.step import lm_loss
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train.step import lm_loss
 
 VARIANTS = ("hp", "hp_sp", "dt", "dt_sp")
 

@@ -7,21 +7,28 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain import config, schema, tasks
+from hpctrain import schema, tasks
 from hpctrain.errors import RunStopped, end_process
+from hpctrain.launch import resolvers
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
+from hpctrain.parse import parse
 
 log = logging.getLogger("hpctrain")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
+    # Also here, not only below: a submitit job unpickles this function and resolves `cfg`
+    # (cluster.nodes=${hpctrain.nodes:...}) without running this module's __main__ block.
+    resolvers.register()
     install_log_filter(cfg.get("cluster", {}).get("env") or {})
     _redact_hydra_outputs()
     try:  # every user mistake ends here: one message, exit 2, no rank started
-        parsed = config.parse(cfg)
+        parsed = parse(cfg)
         tasks.preflight(parsed)
     except ValueError as err:
         log.error("%s", err)
@@ -44,8 +51,6 @@ def main(cfg: DictConfig) -> dict | None:
 def _redact_hydra_outputs() -> None:
     """Hydra saved the composed config and the command line before calling us: mask secrets
     (cluster.env entries, `...KEY=...` overrides) in those files."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return
     hc = HydraConfig.get()
@@ -59,12 +64,11 @@ def _redact_hydra_outputs() -> None:
 
 
 def _in_sweep() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 if __name__ == "__main__":
+    # Where Hydra is entered, not on `import hpctrain`: no process-wide side effects on import.
     schema.register()  # every group's keys and defaults, from the dataclasses
+    resolvers.register()  # ${hpctrain.nodes:...} & co. in conf/cluster/slurm.yaml
     main()

@@ -1,7 +1,8 @@
 """The typed run configuration: frozen dataclasses built from Hydra's composed config.
 
-`parse(cfg)` is called right after the entry point. It converts every group into its dataclass,
-rejects unknown keys (with a "did you mean"), and runs the cross-field checks in
+The schema every layer reads, so it imports nothing above `hpctrain.models`. `collect` converts
+every group into its dataclass and rejects unknown keys (with a "did you mean");
+`hpctrain.parse.parse` (at the Hydra entry points) adds the cross-field checks of
 `hpctrain.validate`, so every mistake a user can make fails before any rank process starts.
 """
 
@@ -41,7 +42,7 @@ class ClusterConfig:
     signal_delay_s: int = 120  # Slurm: USR2 this long before the limit; local: stop grace
     env: dict[str, str] = field(default_factory=dict)  # exported in the job: NCCL_IB_HCA, ...
     # What the planner (task=plan) assumes about the hardware; GPUs per node = procs_per_node.
-    accelerator: str | None = None  # a row of hpctrain.plan.devices, e.g. H100-SXM, H200
+    accelerator: str | None = None  # a row of hpctrain.metrics.devices, e.g. H100-SXM, H200
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
     achievable_fraction: float = 0.5  # fraction of the dense peak that compute sustains
@@ -355,51 +356,3 @@ def from_dict(raw: dict[str, Any], *, run_dir: str) -> Config:
     if problems:
         raise ValueError(format_problems(problems))
     return config
-
-
-def parse(cfg, *, run_dir: str | None = None) -> Config:
-    """Hydra DictConfig → validated, frozen Config. Raises one ValueError listing every
-    mistake (hpctrain.validate), each with its fix."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.validate import validate
-
-    group = None
-    if run_dir is None:
-        run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
-    raw = OmegaConf.to_container(cfg, resolve=True)
-    config, problems = collect(raw, run_dir=run_dir)
-    if config is None:
-        raise ValueError(format_problems(problems))
-    if group is not None and config.logger.group is None:
-        config = dataclasses.replace(
-            config, logger=dataclasses.replace(config.logger, group=group))
-    validate(config, found=problems)
-    return config
-
-
-def _hydra_sweep_group() -> str | None:
-    """In a multirun, the W&B group of the sweep (launch.sweep.sweep_group), else None."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hydra_cfg = HydraConfig.get()
-    except (ImportError, ValueError):
-        return None
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
-    from hpctrain.launch.sweep import sweep_group
-
-    return sweep_group(hydra_cfg.sweep.dir)
-
-
-def _hydra_run_dir() -> str:
-    import os
-
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime.output_dir
-    except (ImportError, ValueError):
-        return os.getcwd()

@@ -10,7 +10,7 @@ The node is a plain mapping of the defaults, not a structured config: OmegaConf 
 `Literal` annotations, and a structured node would type-check values inside Hydra and refuse
 `~key` deletion. So Hydra supplies every key and its default, refuses a typo on the command line
 (`train.stpes=3`), and hands everything else — `+group.unknown=1`, a value of the wrong type or
-outside its choices — to `hpctrain.config.parse`, which reports all of them in one ValueError.
+outside its choices — to `hpctrain.parse.parse`, which reports all of them in one ValueError.
 Fields without a default (the model's shape) are left out: a preset sets them, and parse names
 the ones still missing.
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from hydra.core.config_store import ConfigStore
 
 from hpctrain.bench.config import BenchConfig
 from hpctrain.config import _GROUPS, TaskConfig
@@ -49,8 +51,6 @@ def defaults_of(cls: type) -> dict[str, Any]:
 def register() -> None:
     """Store `schema/<group>` for every group of SCHEMAS in Hydra's ConfigStore (idempotent).
     Call it before composing conf/ (the entry point, hpctrain.launch.sbatch and the tests do)."""
-    from hydra.core.config_store import ConfigStore
-
     store = ConfigStore.instance()
     for group, cls in SCHEMAS.items():
         store.store(group="schema", name=group, node=defaults_of(cls),

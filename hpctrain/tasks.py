@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
+from hpctrain.bench.task import bench_task as run_bench
 from hpctrain.config import Config
+from hpctrain.data.prepare import prepare
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.launch import rundir_lock
+from hpctrain.launch import preempt, rundir_lock
+from hpctrain.launch.local import launch_local
+from hpctrain.launch.slurm import run_slurm_task
+from hpctrain.parallel.pipeline.sim_task import run_simulate
+from hpctrain.plan.predict import RunPrediction
+from hpctrain.plan.task import run_plan
+from hpctrain.train.trainer import Trainer
+from hpctrain.validate import reads_data
+from hpctrain.validate_inputs import check_prepared
 
 
 def train_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-    from hpctrain.train.trainer import Trainer
-
-    return Trainer(cfg, mesh).run()
+    """The trainer, with the launcher's agreed stop check and the planner's prediction."""
+    prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
+    stop = functools.partial(preempt.stop_agreed, device=mesh.device)
+    return Trainer(cfg, mesh, stop_requested=stop, prediction=prediction).run()
 
 
 def simulate_task(cfg: Config) -> dict[str, Any]:
-    from hpctrain.parallel.pipeline.sim_task import run_simulate
-
     return run_simulate(cfg)
 
 
 def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-    from hpctrain.bench.task import bench_task as run_bench
-
     return run_bench(cfg, mesh)
 
 
@@ -32,8 +40,6 @@ RANK_TASKS = {"train": train_task, "bench": bench_task}
 
 
 def plan_task(cfg: Config) -> dict[str, Any]:
-    from hpctrain.plan.task import run_plan
-
     return run_plan(cfg)
 
 
@@ -45,13 +51,8 @@ def preflight(cfg: Config) -> None:
     """Prepare the inputs every rank reads, once, and check them: ValueError (before any rank
     starts) when the data is shorter than a batch. Slurm tasks find them prepared by the
     sweep callback, which runs the same check."""
-    from hpctrain.validate import reads_data
-
     if cfg.cluster.launcher == "slurm" or not reads_data(cfg):
         return
-    from hpctrain.data.prepare import prepare
-    from hpctrain.validate_inputs import check_prepared
-
     check_prepared(cfg, prepare(cfg.data))
 
 
@@ -64,18 +65,10 @@ def launch(cfg: Config) -> dict[str, Any]:
     if cfg.task in ONCE_TASKS:
         return ONCE_TASKS[cfg.task](cfg)
     if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
-        from hpctrain.launch.slurm import run_slurm_task
-
         with rundir_lock.held(cfg.run_dir, enabled=os.environ.get("SLURM_PROCID") == "0"):
             return run_slurm_task(cfg, RANK_TASKS[cfg.task])
     with rundir_lock.held(cfg.run_dir):
-        return _run_local(cfg)
-
-
-def _run_local(cfg: Config) -> dict[str, Any]:
-    from hpctrain.launch.local import launch_local
-
-    return launch_local(cfg, RANK_TASKS[cfg.task])
+        return launch_local(cfg, RANK_TASKS[cfg.task])
 
 
 def run(cfg: Config) -> dict[str, Any]:

@@ -14,7 +14,15 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
+from hpctrain.bench.config import check_bench as bench_problems
+from hpctrain.bench.task import needs_data
 from hpctrain.config import Config, Problem, format_problems
+from hpctrain.distributed.device import cuda_available, resolve_device_type
+from hpctrain.parallel.pipeline.batching import check_batched
+from hpctrain.parallel.pipeline.lowering import lower_comm
+from hpctrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
+from hpctrain.parallel.pipeline.sim_task import simulate_costs, simulated_schedule
+from hpctrain.plan.task import cluster_spec, plan_settings
 from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
@@ -154,8 +162,6 @@ def check_batch(c: Config) -> list[str]:
 
 
 def check_device(c: Config) -> list[str]:
-    from hpctrain.distributed.device import cuda_available, resolve_device_type
-
     if c.cluster.launcher == "slurm" and "SLURM_PROCID" not in os.environ:
         return []  # submitting from a login node: the devices are checked in each Slurm task
     device = resolve_device_type(c.cluster.device)
@@ -201,9 +207,7 @@ _ZERO3_PP = (
 
 
 def check_bench(c: Config) -> list[str]:
-    from hpctrain.bench.config import check_bench as check
-
-    return check(c)
+    return bench_problems(c)
 
 
 def _batch_refused(c: Config) -> bool:
@@ -215,8 +219,6 @@ def _batch_refused(c: Config) -> bool:
 
 def _schedule(c: Config):
     """pp > 1: the built schedule; ValueError from build_schedule on a bad combination."""
-    from hpctrain.parallel.pipeline.schedules import build_schedule
-
     p = c.parallel
     return build_schedule(p.schedule, pp=p.pp, microbatches=c.grad_accum,
                           virtual_stages=p.virtual_stages)
@@ -246,10 +248,6 @@ def check_pipeline(c: Config) -> list[str]:
 def _nccl_p2p_problems(c: Config, schedule) -> list[str]:
     """On NCCL, p2p is matched by order and runs in batched groups: the lowered schedule must
     complete under those rules (hpctrain.parallel.pipeline.batching)."""
-    from hpctrain.distributed.device import resolve_device_type
-    from hpctrain.parallel.pipeline.batching import check_batched
-    from hpctrain.parallel.pipeline.lowering import lower_comm
-
     backend = c.cluster.backend
     if backend == "auto":
         backend = "nccl" if resolve_device_type(c.cluster.device) == "cuda" else "gloo"
@@ -276,16 +274,11 @@ def _errors_of(c: Config, *builders) -> list[str]:
 
 def check_simulate(c: Config) -> list[str]:
     """task=simulate: the schedule and the simulate.* costs."""
-    from hpctrain.parallel.pipeline.sim_task import simulate_costs, simulated_schedule
-
     return _errors_of(c, simulated_schedule, simulate_costs)
 
 
 def check_plan(c: Config) -> list[str]:
     """task=plan: the plan.* settings (keys, ranges, lists) and the cluster's accelerator."""
-    from hpctrain.parallel.pipeline.schedules import SCHEDULES
-    from hpctrain.plan.task import cluster_spec, plan_settings
-
     try:
         settings = plan_settings(c)
     except ValueError as err:
@@ -305,16 +298,12 @@ def check_cluster_spec(c: Config) -> list[str]:
     bench.json): a name not in the table or a missing file is refused here, not in the ranks."""
     if c.cluster.accelerator is None and c.cluster.calibration is None:
         return []
-    from hpctrain.plan.task import cluster_spec
-
     return _errors_of(c, cluster_spec)
 
 
 def reads_data(c: Config) -> bool:
     """task=train and bench=train read the token cache (and resume checkpoints)."""
     if c.task == "bench":
-        from hpctrain.bench.task import needs_data
-
         try:
             return needs_data(c)
         except ValueError:  # a bad bench group: check_bench reports it

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hpctrain.config import _GROUPS, Config, Problem, Task, choice_text, literal_choices
+from hpctrain.ops.attention import ATTENTION_BACKENDS
+from hpctrain.parallel.pipeline.schedules import SCHEDULES
 
 TASKS: tuple[str, ...] = typing.get_args(Task)
 
@@ -41,9 +43,6 @@ REGISTRY_CHOICES = ("model.attention", "parallel.schedule")
 def choices(c: Config) -> dict[str, tuple[object, tuple]]:
     """key → (value, allowed values) of every key with a fixed set of values: the Literal
     fields (already enforced by parsing) and the registry-backed REGISTRY_CHOICES."""
-    from hpctrain.ops.attention import ATTENTION_BACKENDS
-    from hpctrain.parallel.pipeline.schedules import SCHEDULES
-
     registry = {"model.attention": tuple(ATTENTION_BACKENDS),
                 "parallel.schedule": tuple(SCHEDULES)}
     table = {**literal_table(), **registry}

@@ -18,16 +18,18 @@ def compose(overrides: list[str] | None = None):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from hpctrain.launch import resolvers
     from hpctrain.schema import register
 
-    register()
+    register()  # what the entry point does before Hydra composes (hpctrain.__main__)
+    resolvers.register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
 
 
 def make_config(overrides: list[str] | None = None, *, run_dir: Path | str = "."):
     """A parsed, validated Config (ValueError on a bad one)."""
-    from hpctrain.config import parse
+    from hpctrain.parse import parse
 
     return parse(compose(overrides), run_dir=str(run_dir))
 

@@ -49,10 +49,10 @@ def bus_bandwidth(collective: str, algbw: float, n: int) -> float:
 def bench_groups(mesh: Mesh, wanted: tuple[str, ...]) -> list[tuple[str, Any, list[int]]]:
     """(label, process group, global ranks) for the world and each wanted axis of degree > 1."""
     world = dist.get_world_size()
-    out = [("world", None, list(range(world)))] if "world" in wanted else []
+    out = [("world", dist.group.WORLD, list(range(world)))] if "world" in wanted else []
     for axis in ("tp", "dp", "pp"):
         group = mesh.group(axis)
-        if axis in wanted and group is not None and mesh.dims.degree(axis) < world:
+        if axis in wanted and 1 < mesh.dims.degree(axis) < world:
             out.append((axis, group, mesh.dims.group_ranks(axis, mesh.rank)))
     return out
 

@@ -15,6 +15,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hpctrain.config import build
+from hpctrain.distributed.device import resolve_device_type
+
 Bench = Literal["comm", "p2p", "gemm", "train"]
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 AxisGroup = Literal["world", "tp", "dp", "pp"]
@@ -59,8 +62,6 @@ class BenchConfig:
 
 
 def bench_config(extra: dict[str, Any]) -> BenchConfig:
-    from hpctrain.config import build
-
     return build(BenchConfig, "bench", extra.get("bench") or {})
 
 
@@ -113,7 +114,5 @@ def check_bench(c) -> list[str]:
         b = bench_config(c.extra)
     except ValueError as err:
         return [str(err)]
-    from hpctrain.distributed.device import resolve_device_type
-
     errs = _ranges(b, c.cluster.world_size)  # choices: the Literal fields, checked by build
     return errs + _device_errors(b, resolve_device_type(c.cluster.device))

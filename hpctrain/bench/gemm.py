@@ -4,7 +4,7 @@ Y_MN = X_MK · W_KN costs 2·M·K·N FLOPs. The model shapes are the per-device 
 micro-batch (M = micro_batch_size × seq_len tokens), with Megatron's tensor-parallel split:
 column-parallel layers (qkv, mlp_up, output) divide N by tp, row-parallel ones (o, mlp_down)
 divide K. Each result is compared with the device's dense peak for that precision from
-hpctrain.plan.devices, the table MFU uses; the fraction is null for a device not in the table
+hpctrain.metrics.devices, the table MFU uses; the fraction is null for a device not in the table
 (any CPU) rather than a number against a guessed peak.
 """
 
@@ -20,8 +20,8 @@ from hpctrain.bench.timing import TORCH_DTYPES, node_name, slow_factor_for, stem
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.metrics.devices import lookup_device
 from hpctrain.models.config import ModelConfig
-from hpctrain.plan.devices import lookup_device
 
 Shape = tuple[str, str, int, int, int]  # (kind, name, M, K, N)
 

@@ -3,6 +3,7 @@ outliers, a ready-to-paste `--exclude=` line) and, if a W&B run is active, table
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -10,10 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hpctrain.bench import summary as S
 from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.outliers import Finding, exclude_line, find_outliers, nodes_to_exclude
 from hpctrain.bench.plots import make_plots
+from hpctrain.metrics.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,8 @@ def _gemm_md(records: list[dict]) -> list[str]:
     rows = S.gemm_rows(records)
     if not rows:
         return []
-    md = ["## GEMM", "", "Median over ranks; peak from hpctrain.plan.devices (– if unknown).", ""]
+    md = ["## GEMM", "", "Median over ranks; peak from hpctrain.metrics.devices "
+          "(– if unknown).", ""]
     md += _table(rows, [("precision", "precision"), ("kind", "kind"), ("shape", "shape"),
                         ("m", "M"), ("k", "K"), ("n", "N"), ("median_tflops", "TFLOP/s"),
                         ("min_tflops", "slowest TFLOP/s"), ("min_rank", "slowest rank"),
@@ -99,8 +104,6 @@ def _outliers_md(findings: list[Finding], exclude: str | None, fraction: float) 
 
 
 def _meta(b: BenchConfig, cfg, records: list[dict]) -> dict[str, Any]:
-    import torch
-
     p = cfg.parallel
     return {"bench": b.name, "config": b.__dict__, "world_size": cfg.cluster.world_size,
             "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp}, "backend": cfg.cluster.backend,
@@ -149,11 +152,7 @@ def _log_wandb(records: list[dict], plots, *, cfg, run_dir: Path, summary: dict)
     key, offline otherwise, the id kept in wandb_id.txt) unless logger.wandb=disabled."""
     if cfg.logger.wandb == "disabled":
         return
-    import dataclasses
-
-    import wandb
-
-    from hpctrain.metrics.wandb_logger import WandbLogger
+    import wandb  # optional and heavy (~1 s): only when W&B logging is on
 
     own = None
     if wandb.run is None:

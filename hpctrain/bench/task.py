@@ -11,17 +11,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpctrain.bench.comm import run_comm
 from hpctrain.bench.config import BenchConfig, bench_config
+from hpctrain.bench.gemm import run_gemm
+from hpctrain.bench.p2p import run_p2p
+from hpctrain.bench.report import write_report
+from hpctrain.bench.train import run_train
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 
 
 def _runners():
-    from hpctrain.bench.comm import run_comm
-    from hpctrain.bench.gemm import run_gemm
-    from hpctrain.bench.p2p import run_p2p
-    from hpctrain.bench.train import run_train
-
     return {"comm": lambda b, mesh, cfg: run_comm(b, mesh),
             "p2p": lambda b, mesh, cfg: run_p2p(b, mesh),
             "gemm": run_gemm, "train": run_train}
@@ -37,8 +37,6 @@ def measure(b: BenchConfig, mesh: Mesh, cfg: Config) -> list[dict[str, Any]]:
 
 
 def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-    from hpctrain.bench.report import write_report
-
     b = bench_config(cfg.extra)
     records = measure(b, mesh, cfg)
     world = mesh.dims.world_size

@@ -13,14 +13,13 @@ from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.timing import node_name, stem
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.train.trainer import Trainer
 
 SUMMARY_KEYS = ("tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes", "final_loss",
                 "device", "world_size", "completed_steps", "metrics")
 
 
 def run_train(b: BenchConfig, mesh: Mesh, cfg: Config) -> list[dict[str, Any]]:
-    from hpctrain.train.trainer import Trainer
-
     t = replace(cfg.train, steps=b.warmup + b.iters, eval_every=0, checkpoint_every=0,
                 resume="never", stop_after=None)
     summary = Trainer(replace(cfg, train=t), mesh).run()

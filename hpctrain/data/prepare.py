@@ -67,6 +67,7 @@ def _tokenize_bytes(docs: list[bytes]) -> tuple[np.ndarray, int]:
 
 
 def _tokenize_bpe(docs: list[bytes], vocab_size: int, out_dir: Path) -> tuple[np.ndarray, int]:
+    # Optional (the `bpe` extra): only data.tokenizer=bpe needs it.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

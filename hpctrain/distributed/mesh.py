@@ -3,6 +3,12 @@
 Every rank must call `new_group` for every group of an axis in the same order (a torch
 requirement), so we walk `ParallelDims.all_groups` and keep the one containing this rank.
 Modules receive the group they need from here as an argument; none reads a global group.
+
+An axis of degree 1 is a group of one rank, never None: code that can skip a collective checks
+`group_size(group) == 1` (cheap, no communication), and a size-1 group given to a collective
+is still correct. `None` for a group means only "no process group at all" (a single process
+without torch.distributed, e.g. a unit test) and is treated like a size-1 group by the helpers
+here; it never means "the whole world" — that is spelled `dist.group.WORLD`.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ class Mesh:
     dims: ParallelDims
     rank: int
     device: torch.device
-    groups: dict[Axis, dist.ProcessGroup | None] = field(default_factory=dict)
+    groups: dict[Axis, dist.ProcessGroup] = field(default_factory=dict)
     # Every wait on this mesh (collectives of its groups, point-to-point) gives up after this.
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     # This rank's step heartbeat for the hang watchdog (a no-op outside a launched run).
     heartbeat: Heartbeat = NO_HEARTBEAT
 
-    def group(self, axis: Axis) -> dist.ProcessGroup | None:
-        """The group along `axis`; None when that axis has degree 1 (ops become no-ops)."""
-        return self.groups.get(axis)
+    def group(self, axis: Axis) -> dist.ProcessGroup:
+        """The group along `axis`: of size 1 when the axis has degree 1 (callers skip their
+        collectives by checking `group_size`)."""
+        return self.groups[axis]
 
     def coord(self, axis: Axis) -> int:
         return self.dims.coords(self.rank)[axis]
@@ -49,13 +56,17 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
                heartbeat: Heartbeat = NO_HEARTBEAT) -> Mesh:
     """Create the axis groups, each with `timeout` (a stuck collective raises after it instead
     of waiting torch's 30-minute default); requires an initialised default process group of
-    the right size, which should carry the same timeout."""
+    the right size, which should carry the same timeout. A degree-1 axis gets this rank's own
+    one-rank group, created by this rank alone (hashed name, no store round trip with the
+    others), so it costs no collective setup."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group has {dist.get_world_size()} ranks but the layout needs "
                          f"{dims.world_size} (dp={dims.dp}, tp={dims.tp}, pp={dims.pp})")
     mesh = Mesh(dims, rank, device, timeout=timeout, heartbeat=heartbeat)
     for axis in AXES:
         if dims.degree(axis) == 1:
+            mesh.groups[axis] = dist.new_group([rank], timeout=timeout, group_desc=axis,
+                                               use_local_synchronization=True)
             continue
         for ranks in dims.all_groups(axis):
             group = dist.new_group(ranks, timeout=timeout, group_desc=axis)  # named in dumps
@@ -65,4 +76,10 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group`; 1 for None (no process group: a single process)."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in `group`; 0 for None (no process group: a single process)."""
+    return 0 if group is None else dist.get_rank(group)

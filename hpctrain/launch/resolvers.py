@@ -1,6 +1,7 @@
 """OmegaConf resolvers that turn the cluster config into Slurm launcher settings.
 
-Registered on import of `hpctrain` (the entry point and every submitit job import it), so
+Registered where Hydra is entered (`hpctrain.__main__`, also inside its task function, which
+a submitit job unpickles and calls; `hpctrain.launch.sbatch`), so
 `conf/cluster/slurm.yaml` can derive `nodes` from the parallel layout and build the job's
 `setup` lines and `gres` from `cluster.*` instead of repeating them.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
+
+from omegaconf import OmegaConf
 
 
 def nodes_for(dp: int, tp: int, pp: int, procs_per_node: int) -> int:
@@ -43,8 +46,7 @@ def launcher_setup(setup: Sequence[str] | None, env: Mapping[str, object] | None
 
 
 def register() -> None:
-    from omegaconf import OmegaConf
-
+    """Register the `hpctrain.*` resolvers with OmegaConf (idempotent: replaces them)."""
     resolvers = {
         "hpctrain.nodes": nodes_for,
         "hpctrain.gres": gres_for,
@@ -55,6 +57,4 @@ def register() -> None:
 
 
 def _plain(value):
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

@@ -18,8 +18,13 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+
+from hpctrain import schema
 from hpctrain.config import Config
+from hpctrain.launch import resolvers
 from hpctrain.launch.resolvers import setup_lines
+from hpctrain.parse import parse
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "templates" / "train.sbatch"
 
@@ -59,11 +64,6 @@ def render_sbatch(cfg: Config, overrides: Sequence[str], *, job_name: str = "hpc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-
-    from hpctrain.config import parse
-    from hpctrain.schema import register
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=slurm parallel=dp2")
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir or f"outputs/sbatch/{datetime.now():%Y-%m-%d_%H-%M-%S}").absolute()
     conf_dir = Path(__file__).resolve().parents[2] / "conf"
-    register()
+    schema.register()  # the Hydra entry of this script: schemas and resolvers (idempotent)
+    resolvers.register()
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         composed = compose(config_name="config", overrides=list(a.overrides))
     try:

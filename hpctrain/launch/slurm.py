@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpctrain.config import Config
+from hpctrain.data.prepare import prepare
 from hpctrain.distributed.env import DistEnv, from_environ
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt
@@ -44,8 +45,6 @@ def slurm_env(cfg: Config) -> DistEnv:
 
 def _prepared_then(task: TaskFn, local_rank: int) -> TaskFn:
     def prepared_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-        from hpctrain.data.prepare import prepare
-
         if local_rank == 0:
             prepare(cfg.data)
         dist.barrier()

@@ -20,18 +20,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.data.prepare import prepare
+from hpctrain.launch.sweep_check import parsed_points, sweep_points
+from hpctrain.validate import reads_data
+from hpctrain.validate_inputs import check_prepared
+
 log = logging.getLogger(__name__)
 COLUMNS = ("final_loss", "final_eval_loss", "completed_steps", "tokens_per_s")
-
-
-def sweep_group(sweep_dir: str | Path) -> str:
-    """W&B group of a sweep: the sweep dir's name with its parent (`2024-05-01_12-30-00`
-    for the default `multirun/2024-05-01/12-30-00`), unique across days."""
-    p = Path(sweep_dir)
-    return f"{p.parent.name}_{p.name}" if p.parent.name else p.name
 
 
 def _overrides(run_dir: Path) -> list[str]:
@@ -150,8 +150,6 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """In the job: a failed point leaves `error.txt` (exception and traceback) in its run
         dir, since Hydra hands the exception to the submitting process, not to the logs."""
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.core.utils import JobStatus
 
         if job_return.status != JobStatus.FAILED:
             return
@@ -174,10 +172,6 @@ def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     """Validate every point before any job starts (`sweep_check`), then prepare the data of
     each distinct data config once, so jobs only read the token cache, and check that every
     point's batches fit its data (one ValueError naming each point that does not)."""
-    from hpctrain.launch.sweep_check import parsed_points, sweep_points
-    from hpctrain.data.prepare import prepare
-    from hpctrain.validate import reads_data
-    from hpctrain.validate_inputs import check_prepared
 
     points = parsed_points(config, run_dir=sweep_dir)
     overrides = sweep_points(list(config.hydra.overrides.task))

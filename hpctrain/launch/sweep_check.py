@@ -12,13 +12,15 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from hydra import compose
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
+
+from hpctrain.parse import parse
 
 
 def sweep_points(task_overrides: list[str]) -> list[list[str]]:
     """The override list of every point, in Hydra's BasicSweeper order (last key fastest)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(task_overrides)
     choices = []
     for o in parsed:
@@ -32,10 +34,6 @@ def sweep_points(task_overrides: list[str]) -> list[list[str]]:
 
 def parsed_points(config: DictConfig, *, run_dir: str) -> list[Any]:
     """Compose and validate every point; ValueError listing each failing point and why."""
-    from hydra import compose
-
-    from hpctrain.config import parse
-
     points = sweep_points(list(config.hydra.overrides.task))
     parsed, errors = [], []
     for i, overrides in enumerate(points):

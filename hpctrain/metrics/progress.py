@@ -6,6 +6,9 @@ import logging
 import sys
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
 log = logging.getLogger("hpctrain")
 
 
@@ -27,9 +30,6 @@ class Progress:
         self.total = total
         self._bar = None
         if self.use_rich:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
             self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(),
                                      MofNCompleteColumn(), TimeRemainingColumn(),
                                      TextColumn("{task.fields[info]}"))

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
 MASK = "***"
 _MIN_LEN = 4  # shorter values ("1", "true") would scrub ordinary words from messages
@@ -86,8 +88,6 @@ def redact_yaml_files(paths: Iterable[Path], *, attempts: int = 30) -> None:
     `attempts` × 0.1 s), and rewritten atomically (temp file + rename), so a reader never sees
     half of it and the last writer of the job is always a redaction. A file that never parses
     is left alone with a warning: redaction must not kill the run."""
-    import yaml
-
     for path in paths:
         data = _read_yaml(path, attempts=attempts)
         if data is None:
@@ -101,8 +101,6 @@ def redact_yaml_files(paths: Iterable[Path], *, attempts: int = 30) -> None:
 
 
 def _read_yaml(path: Path, *, attempts: int) -> Any:
-    import yaml
-
     for _ in range(attempts):
         if not path.is_file():
             return None

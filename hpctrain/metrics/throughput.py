@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
+from hpctrain.metrics.devices import lookup_device
 from hpctrain.models.config import ModelConfig
 from hpctrain.ops.documents import IGNORE_INDEX, split_micro_batch
-from hpctrain.plan.devices import lookup_device
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +30,6 @@ def peak_bf16_flops(device_name: str) -> float | None:
         log.warning("no peak FLOP/s known for device %r: MFU is reported as null", device_name)
         return None
     return spec.bf16_flops
-
-
-def mfu(model: ModelConfig, *, tokens_per_s: float, seq_len: int, n_devices: int,
-        peak_flops: float | None) -> float | None:
-    """MFU of rows of `seq_len` tokens, each one sequence."""
-    if tokens_per_s <= 0:
-        return None
-    return flops_utilization(model.flops_per_token(seq_len) * tokens_per_s,
-                             n_devices=n_devices, peak_flops=peak_flops)
 
 
 def flops_utilization(flops_per_s: float, *, n_devices: int,
@@ -81,7 +73,7 @@ def batch_counts(micro_batches, *, group=None, device: torch.device | None = Non
             per_doc = per_doc[per_doc > 0]
             sums += torch.stack([real_L.sum().double(), torch.tensor(float(len(ids_L))),
                                  torch.tensor(float(len(per_doc))), per_doc.pow(2).sum()])
-    if group is not None:
+    if group_size(group) > 1:
         reduced = sums.to(device)
         dist.all_reduce(reduced, group=group)
         sums = reduced.cpu()

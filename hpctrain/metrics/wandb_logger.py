@@ -84,7 +84,7 @@ def server_reachable(base_url: str, *, timeout_s: float = PROBE_S) -> bool:
 
 class WandbLogger:
     def __init__(self, cfg: LoggerConfig, *, run_dir: Path, config: dict[str, Any]):
-        import wandb
+        import wandb  # heavy (~1 s to import): only when logger.wandb is not disabled
 
         self.mode = resolve_mode(cfg.wandb)
         base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
+
 LOSS, GRAD_NORM = "loss", "grad norm"
 
 
@@ -34,14 +36,14 @@ SKIPPED = NormVerdict(math.nan)  # fp16 overflow: no norm computed, not a non-fi
 
 def reduce_norm(sq: torch.Tensor, *, loss: torch.Tensor | None, groups: Iterable,
                 unscale: float = 1.0) -> NormVerdict:
-    """Sum [sq, 0·loss] (both 0-d float64) over each of `groups` (None entries skipped), one
+    """Sum [sq, 0·loss] (both 0-d float64) over each of `groups` (size-1 groups skipped), one
     all-reduce per group; return ‖g‖ = √Σsq / unscale and what, if anything, was non-finite.
     0·loss is 0 for a finite loss and NaN for NaN/±inf, so the sum is NaN iff any rank's loss
     was non-finite: no comparison, no extra device sync, ~1 op per step."""
     poison = torch.zeros_like(sq) if loss is None else loss.to(sq) * 0
     vec = torch.stack([sq, poison])
     for group in groups:
-        if group is not None:
+        if group_size(group) > 1:
             dist.all_reduce(vec, group=group)
     total, poisoned = vec.tolist()  # one device sync, as the norm alone needed
     norm = math.sqrt(total) / unscale

@@ -4,8 +4,8 @@ Pure arithmetic (no torch, no processes): devices → cluster → memory and tim
 layout search → reports. See each module's docstring for its formulas and sources.
 """
 
+from hpctrain.metrics.devices import DEVICES, DeviceSpec, lookup_device, mfu_or_none
 from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
-from hpctrain.plan.devices import DEVICES, DeviceSpec, lookup_device, mfu_or_none
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown, model_state_bytes
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report

@@ -34,8 +34,12 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.bench.gemm import model_shapes
+from hpctrain.bench.summary import gemm_rows
+from hpctrain.bench.timing import TORCH_DTYPES
+from hpctrain.distributed.device import synchronize
+from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.devices import DeviceSpec
 
 LOCAL_BW = 1e9  # bytes/s, gloo on one machine
 LOCAL_LATENCY = 50e-6  # seconds per message
@@ -57,9 +61,6 @@ def measured_spec(name: str, peaks: dict[str, float], *, memory_bytes: int = 0,
 def gemm_flops(m: int, k: int, n: int, *, precision: str, device: torch.device,
                seconds: float = MEASURE_SECONDS) -> float:
     """FLOP/s of X_MK·W_KN in `precision` on `device`, timed for about `seconds`."""
-    from hpctrain.bench.timing import TORCH_DTYPES
-    from hpctrain.distributed.device import synchronize
-
     dtype = TORCH_DTYPES[precision]
     x, w = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype,
                                                                       device=device)
@@ -81,8 +82,6 @@ def gemm_flops(m: int, k: int, n: int, *, precision: str, device: torch.device,
 def measure_device(model, *, tokens: int, tp: int, precision: str, device: torch.device,
                    name: str, seconds: float = MEASURE_SECONDS) -> DeviceSpec:
     """DeviceSpec with the measured GEMM throughput of the model's largest projection."""
-    from hpctrain.bench.gemm import model_shapes
-
     _, _, m, k, n = max(model_shapes(model, tokens=tokens, tp=tp),
                         key=lambda s: s[2] * s[3] * s[4])
     flops = gemm_flops(m, k, n, precision=precision, device=device, seconds=seconds)
@@ -99,8 +98,6 @@ def local_cluster(device: DeviceSpec, *, gpus_per_node: int,
 
 def _gemm_peaks(records: list[dict]) -> dict[str, float]:
     """precision → max over shapes of the median-over-ranks GEMM FLOP/s."""
-    from hpctrain.bench.summary import gemm_rows
-
     peaks: dict[str, float] = {}
     for row in gemm_rows(records):
         flops = row["median_tflops"] * 1e12

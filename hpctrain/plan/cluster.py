@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hpctrain.plan.devices import DEVICES, DeviceSpec
+from hpctrain.metrics.devices import DEVICES, DeviceSpec
 
 # Fraction of the dense peak that large bf16 GEMMs sustain inside a real training step (kernel
 # efficiency × the elementwise, softmax and optimizer work the FLOP count ignores). Megatron-LM
@@ -51,14 +51,6 @@ class ClusterSpec:
 
     def with_(self, **changes) -> ClusterSpec:
         return replace(self, **changes)
-
-    @classmethod
-    def from_bench(cls, path, *, base: ClusterSpec | None = None) -> ClusterSpec:
-        """`base` with the GEMM peaks and link bandwidths a task=bench bench.json measured
-        (see `hpctrain.plan.calibrate.calibrated_cluster`)."""
-        from hpctrain.plan.calibrate import calibrated_cluster
-
-        return calibrated_cluster(path, base=base)
 
 
 def megatron_a100_cluster() -> ClusterSpec:

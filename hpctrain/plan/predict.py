@@ -25,9 +25,14 @@ from typing import Any
 import torch
 
 from hpctrain.config import Config
+from hpctrain.distributed.device import device_name
+from hpctrain.plan.calibrate import local_cluster, measure_device
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.flat_states import flat_state_bytes
 from hpctrain.plan.memory import ModelStates, model_state_bytes
 from hpctrain.plan.shapes import rank_params
+from hpctrain.plan.task import cluster_spec, layout_of
+from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)
 STATE_KEYS = (("params", "mem_params_bytes"), ("grads", "mem_grads_bytes"),
@@ -36,10 +41,6 @@ STATE_KEYS = (("params", "mem_params_bytes"), ("grads", "mem_grads_bytes"),
 
 def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSpec:
     """The ClusterSpec for `cfg` (module docstring: calibration, accelerator, measured)."""
-    from hpctrain.distributed.device import device_name
-    from hpctrain.plan.calibrate import local_cluster, measure_device
-    from hpctrain.plan.task import cluster_spec
-
     c, t = cfg.cluster, cfg.train
     if c.accelerator is not None or c.calibration is not None:
         return cluster_spec(cfg)
@@ -53,8 +54,6 @@ def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSp
 
 def predicted_states(cfg: Config) -> ModelStates:
     """Model-state bytes on the busiest rank of `cfg`'s layout (module docstring)."""
-    from hpctrain.plan.flat_states import flat_state_bytes
-
     p = cfg.parallel
     if p.tp == 1 and p.pp == 1:
         return flat_state_bytes(cfg.model, dp=p.dp, zero=p.zero, precision=cfg.train.precision,
@@ -65,9 +64,6 @@ def predicted_states(cfg: Config) -> ModelStates:
 
 def predicted_step_time(cfg: Config, cluster: ClusterSpec):
     """`hpctrain.plan.time.step_time` for `cfg` on `cluster` (no dp overlap assumed)."""
-    from hpctrain.plan.task import layout_of
-    from hpctrain.plan.time import step_time
-
     t = cfg.train
     return step_time(cfg.model, cluster, layout=layout_of(cfg), global_batch=t.global_batch_size,
                      micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,

@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.config import Config, build
+from hpctrain.metrics.devices import DEVICES, lookup_device
+from hpctrain.parallel.pipeline.schedules import build_schedule
+from hpctrain.parallel.pipeline.simulate import simulate
+from hpctrain.plan.calibrate import calibrated_cluster
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.devices import DEVICES, lookup_device
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
 from hpctrain.plan.search import search_layouts
@@ -52,8 +55,6 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
     cluster.calibration, a bench.json's measurements replace them (alone when no accelerator)."""
     c = cfg.cluster
     if c.accelerator is None and c.calibration is not None:
-        from hpctrain.plan.calibrate import calibrated_cluster
-
         return calibrated_cluster(c.calibration).with_(
             gpus_per_node=c.procs_per_node, achievable_fraction=c.achievable_fraction)
     if c.accelerator is None:
@@ -68,7 +69,7 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
                        intra_node_bw=c.intra_node_gb_s * 1e9,
                        inter_node_bw=c.inter_node_gb_s * 1e9,
                        achievable_fraction=c.achievable_fraction)
-    return spec if c.calibration is None else ClusterSpec.from_bench(c.calibration, base=spec)
+    return spec if c.calibration is None else calibrated_cluster(c.calibration, base=spec)
 
 
 def simulated_in_flight(cfg: Config) -> int:
@@ -76,9 +77,6 @@ def simulated_in_flight(cfg: Config) -> int:
     p = cfg.parallel
     if p.pp == 1:
         return 1
-    from hpctrain.parallel.pipeline.schedules import build_schedule
-    from hpctrain.parallel.pipeline.simulate import simulate
-
     schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
                               virtual_stages=p.virtual_stages)
     peak = max(simulate(schedule, t_f=1.0, t_b=1.0, t_w=1.0).peak_activations)

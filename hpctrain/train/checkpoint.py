@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.state import full_model_state, full_optim_state, load_full_state
+from hpctrain.parallel.state import ParallelState
 from hpctrain.train import ckpt_catalog as catalog
 from hpctrain.train import ckpt_layout, manifest, safe_dcp
 from hpctrain.train.manifest import Unverified, Verified
@@ -153,10 +153,11 @@ def _from_rank0(fn: Callable[[], T]) -> T:
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save(path: Path, *, model: torch.nn.Module, engine: DataParallel,
-         train_state: dict[str, Any], rank_state: dict[str, Any],
-         model_config: ModelConfig | None = None, keep: int = 2) -> Path:
-    """Collective: every rank calls it at the same step. `train_state` holds "step" and the
+def save(path: Path, *, parallel: ParallelState, train_state: dict[str, Any],
+         rank_state: dict[str, Any], model_config: ModelConfig | None = None,
+         keep: int = 2) -> Path:
+    """Collective: every rank calls it at the same step, with its parallel state (the engine's
+    shards are gathered over dp, the spec's tp shards over tp). `train_state` holds "step" and the
     layout (dp/tp/pp/zero); `model_config` is recorded so another model shape is refused on
     load. `keep` > 0 verified checkpoints are kept (see `ckpt_catalog.prune`), 0 keeps all."""
     rank = dist.get_rank()
@@ -164,8 +165,9 @@ def save(path: Path, *, model: torch.nn.Module, engine: DataParallel,
     if rank == 0:  # a killed save's leftovers must not end up in this one's manifest
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
+    engine = parallel.engine
     state = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
-    full = ckpt_layout.to_full(model, state)  # tp: collective
+    full = ckpt_layout.to_full(parallel, state)  # tp: collective
     dcp.save(full, checkpoint_id=str(partial))
     torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
     digests = manifest.digest_files(partial, names=_written_by(partial, rank=rank))
@@ -213,9 +215,10 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load(checkpoint: Verified | Path, *, model: torch.nn.Module, engine: DataParallel,
+def load(checkpoint: Verified | Path, *, parallel: ParallelState,
          model_config: ModelConfig | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: load model and optimizer in place; returns (train_state, this rank's
+    """Collective: load the engine's weights and optimizer state of `parallel` in place (this
+    rank's dp shard of its tp slice, per the shard spec); returns (train_state, this rank's
     rank_state). A Path is verified first (`agreed_check`); nothing in the
     directory is read before that. With `model_config`, a checkpoint of another model shape
     is refused (ValueError) before any tensor is read; another dp/tp/pp/zero layout is
@@ -228,11 +231,12 @@ def load(checkpoint: Verified | Path, *, model: torch.nn.Module, engine: DataPar
     rank_state = _agreed(path, read=lambda: _read_rank_state(path))
     # Full tensors over dp (the engine's state) and over tp (ckpt_layout): read full-size
     # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
+    engine = parallel.engine
     current = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
-    state = ckpt_layout.full_template(model, current)
+    state = ckpt_layout.full_template(parallel, current)
     state["optim"].pop("param_groups", None)
     _dcp_load(state, path)
-    state = ckpt_layout.to_local(model, state, current={})
+    state = ckpt_layout.to_local(parallel, state, current={})
     load_full_state(engine, state["model"], state["optim"])
     train_state = json.loads((path / "train_state.json").read_text())
     torch.set_rng_state(rank_state["rng"]["torch"])

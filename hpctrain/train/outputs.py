@@ -6,21 +6,44 @@ import dataclasses
 import logging
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hpctrain.config import Config
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
+from hpctrain.metrics.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
+
+
+class Prediction(Protocol):
+    """What the planner predicted for the run (hpctrain.plan.predict.RunPrediction, built by
+    the task above train): logged once with the first record, compared in the summary."""
+
+    def once(self) -> dict[str, Any]: ...
+
+    def summary(self, summary: dict[str, Any], ledger: dict[str, int]) -> dict[str, Any]: ...
+
+
+class NoPrediction:
+    """A run without a prediction (benchmarks, tests that build the Trainer themselves)."""
+
+    def once(self) -> dict[str, Any]:
+        return {}
+
+    def summary(self, summary: dict[str, Any], ledger: dict[str, int]) -> dict[str, Any]:
+        return {}
+
+
+def never_stop() -> bool:
+    """The stop check of a Trainer run outside a launcher: no rank can be signalled."""
+    return False
 
 
 def make_loggers(cfg: Config, *, run_dir: Path, start_step: int) -> tuple[MultiLogger, Progress]:
     progress = Progress(cfg.logger.progress, total=cfg.train.steps, start=start_step)
     wandb = None
     if cfg.logger.wandb != "disabled":
-        from hpctrain.metrics.wandb_logger import WandbLogger
-
         wandb = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
     return MultiLogger(JsonlLogger(run_dir, start_step=start_step), wandb, progress), progress
 

@@ -34,19 +34,19 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config import Config
-from hpctrain.distributed.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.pipeline.actions import Action
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
-from hpctrain.parallel.pipeline.stage import LocalStages, build_local_stages
+from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
-from hpctrain.parallel.tensor import TensorParallelPlan
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import StepResult, allreduce_mean
 
 Timeline = list[tuple[float, float, Any]]
 
@@ -61,12 +61,13 @@ class PipelineEngine:
                                        virtual_stages=p.virtual_stages)
         self.pp_rank = mesh.coord("pp")
         self.peers = mesh.dims.group_ranks("pp", mesh.rank)
-        self.local: LocalStages = build_local_stages(
+        # The tp plan (None at tp = 1) goes into the ParallelState (hpctrain.train.setup).
+        self.local, self.tp_plan = build_local_stages(
             cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
-            seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp).to(mesh.device)
+            seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp)
+        self.local.to(mesh.device)
         # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
         apply_activation_checkpointing(self.local, t.activation_checkpointing)
-        self.tp_plan: TensorParallelPlan | None = self.local.tp_plan
         s2r = self.schedule.stage_to_rank
         self.tied: TiedEmbeddings | None = None
         if cfg.model.tied_embeddings:
@@ -118,7 +119,7 @@ class PipelineEngine:
         embeddings tied across pp ranks, their gradient sum before the dp reduction
         (`pre_reduce`) and E counted once in the clip norm (`grad_replicas`)."""
         tied = self.tied
-        if tied is None or tied.group is None:
+        if tied is None or not tied.split:
             return axes
         tp_pre_reduce = axes.get("pre_reduce")
 
@@ -170,7 +171,7 @@ def last_stage_value(value: torch.Tensor | None, *, holds: bool, group,
     else:
         out = torch.zeros((), dtype=torch.float64, device=device)
     out = out.reshape(()).clone()
-    if group is not None:
+    if group_size(group) > 1:
         dist.all_reduce(out, group=group)
     return out
 
@@ -190,9 +191,8 @@ def measured_bubble(timeline: Timeline, span: float, *, group,
     busy = sum(t1 - t0 for t0, t1, _ in timeline)
     bubble = 1.0 - busy / span if span > 0 else 0.0
     stats = torch.tensor([bubble, bubble], dtype=torch.float64, device=device)  # NCCL: GPU
-    n = 1
-    if group is not None:
-        n = dist.get_world_size(group)
+    n = group_size(group)
+    if n > 1:
         top = stats[:1].clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(stats[1:], group=group)
@@ -202,8 +202,6 @@ def measured_bubble(timeline: Timeline, span: float, *, group,
 
 def write_timeline_files(timelines, run_dir: Path, *, title: str) -> dict[str, str]:
     """Per rank [(start_s, end_s, 'stageKINDmb')] → Chrome trace JSON + PNG in `run_dir`."""
-    from hpctrain.parallel.pipeline.actions import Action
-
     run_dir = Path(run_dir)
     events, boxes = [], []
     for rank, acts in enumerate(timelines):

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from hpctrain.config import Config
-from hpctrain.distributed.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.parallel.tensor import (
     TensorParallelPlan,
     apply_tensor_parallel,
@@ -51,7 +51,7 @@ def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -
     heads, where those gradients are partial sums; it turns off the overlap of the reduction
     with backward), and the clip norm summed over tp (each replicated value once) and pp.
     {} for the whole model on every rank."""
-    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if g is not None)
+    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if group_size(g) > 1)
     if plan is None:
         return {"norm_groups": groups} if groups else {}
     axes: dict[str, Any] = {"norm_groups": groups, "grad_replicas": dict(plan.replicas)}

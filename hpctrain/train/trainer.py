@@ -12,66 +12,60 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from hpctrain.config import Config
 from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.launch import preempt
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
-from hpctrain.models import build_model
-from hpctrain.models.checkpointing import apply_activation_checkpointing
-from hpctrain.parallel.data import build_data_parallel
-from hpctrain.plan.predict import RunPrediction
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.outputs import make_loggers, print_summary, summarize
-from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import eval_loss
-from hpctrain.train.tensor_parallel import (
-    engine_axes,
-    setup_tensor_parallel,
-    take_comm_bytes,
-    tp_step_hooks,
+from hpctrain.train.outputs import (
+    NoPrediction,
+    Prediction,
+    make_loggers,
+    never_stop,
+    print_summary,
+    summarize,
 )
+from hpctrain.train.pipeline import PipelineEngine
+from hpctrain.train.setup import build_parallel_state
+from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
 
 log = logging.getLogger(__name__)
 HISTORY_STEPS = 1000  # step records kept for the summary's medians
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: Mesh):
+    """One rank's training run on `mesh`. The launcher's side comes in as arguments, so train
+    imports nothing above it: `stop_requested()` is collective and True on every rank once any
+    rank was signalled (hpctrain.launch.preempt); `prediction` is the planner's (task=train
+    builds both, hpctrain.tasks)."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, *, stop_requested: Callable[[], bool] = never_stop,
+                 prediction: Prediction | None = None):
         self.cfg, self.mesh, self.run_dir = cfg, mesh, Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         torch.manual_seed(t.seed)
         self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
-        if self.pipeline is not None:
-            self.model = self.pipeline.local  # this rank's stages, under the full model's names
-            self.tp_plan = self.pipeline.tp_plan  # tp inside the stages (3D), or None
-        else:
-            self.model = build_model(cfg.model, seed=t.seed)
-            self.tp_plan = setup_tensor_parallel(self.model, cfg, mesh)
-            apply_activation_checkpointing(self.model, t.activation_checkpointing)
-            self.model.to(mesh.device)
-        self.tp_hooks = tp_step_hooks(self.model, self.tp_plan)
-        # One update path for every layout: gradient reduction (bucketed), the global norm,
-        # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
-        # bf16/fp16) live in the data-parallel engine (hpctrain/parallel/data), over the dp
-        # group on this rank's tp shard / pipeline stages.
-        axes = engine_axes(self.model, self.tp_plan, mesh)
-        if self.pipeline is not None:  # + tied embeddings across stages
-            axes = self.pipeline.engine_axes(axes)
-        self.dp = build_data_parallel(self.model, cfg, mesh, **axes)
+        # Built once, passed to checkpointing and metrics (hpctrain.train.setup).
+        self.parallel = build_parallel_state(cfg, mesh, pipeline=self.pipeline)
+        self.model = self.parallel.model  # this rank's shard / stages, full model's names
+        self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
+        self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)
@@ -87,7 +81,8 @@ class Trainer:
         self.step = 0
         self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
-        self.prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
+        self.stop_requested = stop_requested
+        self.prediction = prediction if prediction is not None else NoPrediction()
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -114,7 +109,7 @@ class Trainer:
                  else ckpt.agreed_verified(Path(mode)))
         if found is None:
             return
-        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
+        train_state, rank_state = ckpt.load(found, parallel=self.parallel,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
@@ -131,7 +126,7 @@ class Trainer:
                  "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
-        return ckpt.save(path, model=self.model, engine=self.dp, train_state=state,
+        return ckpt.save(path, parallel=self.parallel, train_state=state,
                          rank_state={"scaler": self.scaler.state_dict()},
                          model_config=self.cfg.model)
 
@@ -140,7 +135,7 @@ class Trainer:
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
-        take_comm_bytes(self.tp_plan)  # drop what eval sent since the last step
+        take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
         micro = list(self.micro_batches(step))
         t0 = time.perf_counter()
         if self.pipeline is not None:
@@ -154,7 +149,8 @@ class Trainer:
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
-                **self._throughput(micro, dt), **take_comm_bytes(self.tp_plan), **step_extra}
+                **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
+                **step_extra}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:
         """Real tokens/s and MFU of the global batch (padding not counted, attention FLOPs
@@ -208,13 +204,13 @@ class Trainer:
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
         """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
-        limit, SIGINT/SIGTERM to the local launcher). The signal
-        check is collective (launch.preempt), so every rank stops after the same step and the
-        checkpoint saved next is consistent."""
+        limit, SIGINT/SIGTERM to the local launcher). The signal check is collective
+        (`stop_requested`), so every rank stops after the same step and the checkpoint saved
+        next is consistent."""
         t = self.cfg.train
         if t.stop_after is not None and self.step >= t.stop_after:
             return True
-        if preempt.stop_agreed(device=self.mesh.device):
+        if self.stop_requested():
             extra["stopped_by_signal"] = True
             source = "Slurm" if self.cfg.cluster.launcher == "slurm" else "a signal"
             log.warning("stop requested by %s: checkpointing at step %d", source, self.step)
@@ -258,7 +254,7 @@ class Trainer:
         """Reload `found` on every rank and skip the data of the steps since it, through the bad
         one: the data step is step + data_offset, so the sampler stays a pure function."""
         bad, path = self.step, found.path
-        train_state, rank_state = ckpt.load(found, model=self.model, engine=self.dp,
+        train_state, rank_state = ckpt.load(found, parallel=self.parallel,
                                             model_config=self.cfg.model)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
@@ -308,8 +304,6 @@ class Trainer:
         if not self.cfg.train.profile:
             yield None
             return
-        from torch.profiler import ProfilerActivity, profile, schedule
-
         out = self.run_dir / "profile" / f"trace_rank{self.mesh.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]

@@ -40,7 +40,7 @@ def test_bf16_training_on_cuda_tracks_fp32(tmp_path):
     assert all(abs(a - b) < 0.05 * a for a, b in zip(ref, got, strict=True)), (ref, got)
     last = read_jsonl(tmp_path / "bf16" / "metrics.jsonl")[-1]
     name = torch.cuda.get_device_name()
-    from hpctrain.plan.devices import lookup_device
+    from hpctrain.metrics.devices import lookup_device
 
     if lookup_device(name) is not None:
         assert last["mfu"] is not None and 0 < last["mfu"] < 1

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpctrain.config import OptimConfig
 from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
-from hpctrain.train.scaler import LossScaler
+from hpctrain.parallel.scaler import LossScaler
 from tests.parallel.reference_step import reference_optimizer, reference_step
 
 # eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
@@ -57,6 +57,17 @@ def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0
     return model, engine
 
 
+def dp_state(model, engine):
+    """The ParallelState of a dp-only world (dp = world size) around `engine`."""
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.parallel.state import parallel_state
+
+    mesh = build_mesh(ParallelDims(dp=dist.get_world_size()), rank=dist.get_rank(),
+                      device=torch.device("cpu"))
+    return parallel_state(model, mesh=mesh, engine=engine)
+
+
 def full_params(engine) -> dict[str, torch.Tensor]:
     """Full fp32 (master) values by FQN, gathered from the shards."""
     from hpctrain.parallel.data.state import full_model_state
@@ -89,7 +100,7 @@ def overlap_times():
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=0, bucket_mb=0.02)
     x, y = rank_micro_batches(0, dp=dp, rank=rank, accum=1, vocab=512)[0]
-    from hpctrain.train.step import lm_loss
+    from hpctrain.parallel.step import lm_loss
 
     loss = lm_loss(model(x), y)
     loss.backward()
@@ -131,7 +142,7 @@ def save_then_continue(path: str, *, zero: int, accum: int):
     model, engine = make_engine(zero=zero, dtype=torch.float64)
     for step in range(3):
         if step == 2:
-            ckpt.save(ckpt.checkpoint_dir(path, 2), model=model, engine=engine,
+            ckpt.save(ckpt.checkpoint_dir(path, 2), parallel=dp_state(model, engine),
                       train_state={"step": 2}, rank_state={})
         mbs = rank_micro_batches(step, dp=dp, rank=rank, accum=accum, vocab=512)
         loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
@@ -144,7 +155,7 @@ def load_and_continue(path: str, *, zero: int, accum: int):
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=zero, dtype=torch.float64)
-    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), model=model, engine=engine)
+    state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), parallel=dp_state(model, engine))
     mbs = rank_micro_batches(state["step"], dp=dp, rank=rank, accum=accum, vocab=512)
     loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
                              scaler=LossScaler(enabled=False), grad_clip=1.0).loss

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from hpctrain.config import OptimConfig
+from hpctrain.parallel.step import lm_loss
 from hpctrain.train.optim import param_groups
-from hpctrain.train.step import lm_loss
 
 
 def reference_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:

@@ -15,8 +15,8 @@ from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
+from hpctrain.parallel.step import allreduce_mean
 from hpctrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, sync_tp_grads
-from hpctrain.train.step import allreduce_mean
 from tests.parallel.threed_reference import (
     MB,
     SEED,
@@ -35,14 +35,15 @@ def _build(dims: ParallelDims, name: str, m: int, *, sp: bool, kv: int):
     mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     schedule = build_schedule(name, pp=dims.pp, microbatches=m, virtual_stages=1)
     cfg = model_cfg(n_layers=2 * schedule.n_stages, n_kv_heads=kv)
-    local = build_local_stages(cfg, schedule.stages_of(mesh.coord("pp")),
-                               n_stages=schedule.n_stages, seed=SEED,
-                               tp_group=mesh.group("tp"), sp=sp).double()
+    local, plan = build_local_stages(cfg, schedule.stages_of(mesh.coord("pp")),
+                                     n_stages=schedule.n_stages, seed=SEED,
+                                     tp_group=mesh.group("tp"), sp=sp)
+    local.double()
     runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=mesh.coord("pp"),
                               peers=dims.group_ranks("pp", mesh.rank),
                               act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
                                                         dim=cfg.dim, tp=dims.tp, sp=sp))
-    return mesh, schedule, cfg, local, runtime
+    return mesh, schedule, cfg, local, plan, runtime
 
 
 def run_3d_and_compare(dp: int, tp: int, pp: int, name: str, *, sp: bool = False, kv: int = 2,
@@ -52,13 +53,13 @@ def run_3d_and_compare(dp: int, tp: int, pp: int, name: str, *, sp: bool = False
     torch.set_default_dtype(torch.float64)
     try:
         dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-        mesh, schedule, cfg, local, runtime = _build(dims, name, m, sp=sp, kv=kv)
+        mesh, schedule, cfg, local, plan, runtime = _build(dims, name, m, sp=sp, kv=kv)
         _assert_queues_attached(local)
         micro = micro_batches(dp * m, cfg.vocab_size)
         dp_rank = mesh.coord("dp")
         result = runtime.step(micro[dp_rank * m:(dp_rank + 1) * m])
         params = list(local.parameters())
-        sync_tp_grads(params, local.tp_plan)
+        sync_tp_grads(params, plan)
         allreduce_mean([p.grad for p in params], mesh.group("dp"))
         ref_loss, ref_grads, ref_norm = reference(cfg, micro)
         errs = {}
@@ -70,7 +71,7 @@ def run_3d_and_compare(dp: int, tp: int, pp: int, name: str, *, sp: bool = False
             want = expected_slice(n, ref_grads[n], cfg, tp=tp, tp_rank=mesh.coord("tp"))
             assert p.grad.shape == want.shape, (n, p.grad.shape, want.shape)
             errs[n] = float((p.grad - want).abs().max() / want.abs().max())
-        norm = _global_norm(params, mesh=mesh, replicas=local.tp_plan.replicas)
+        norm = _global_norm(params, mesh=mesh, replicas=plan.replicas)
         errs["grad_norm"] = abs(norm - ref_norm) / ref_norm
         return errs
     finally:

@@ -26,7 +26,7 @@ from hpctrain.parallel.tensor import (
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train.step import allreduce_mean, lm_loss
+from hpctrain.parallel.step import allreduce_mean, lm_loss
 from tests.parallel.threed_reference import expected_slice
 
 SEED, MB, SEQ, M = 11, 2, 12, 2
@@ -97,9 +97,10 @@ def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool) -> dict[str, float]:
         dims, cfg = ParallelDims(dp=dp, tp=tp, pp=pp), _cfg()
         mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
         schedule = build_schedule("1f1b", pp=pp, microbatches=M, virtual_stages=1)
-        local = build_local_stages(cfg, schedule.stages_of(mesh.coord("pp")),
-                                   n_stages=schedule.n_stages, seed=SEED,
-                                   tp_group=mesh.group("tp"), sp=sp).double()
+        local, plan = build_local_stages(cfg, schedule.stages_of(mesh.coord("pp")),
+                                         n_stages=schedule.n_stages, seed=SEED,
+                                         tp_group=mesh.group("tp"), sp=sp)
+        local.double()
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=mesh.coord("pp"),
                                   peers=dims.group_ranks("pp", mesh.rank),
                                   act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
@@ -108,7 +109,7 @@ def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool) -> dict[str, float]:
         d = mesh.coord("dp")
         result = runtime.step(micro[d * M:(d + 1) * M])
         return _errors(list(local.named_parameters()), mesh, cfg, micro, result.loss_sum,
-                       plan=local.tp_plan)
+                       plan=plan)
     finally:
         torch.set_default_dtype(torch.float32)
 

@@ -15,7 +15,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.step import lm_loss
 from tests.parallel.test_pp_runtime import (
     CASES,
     MB,
@@ -31,8 +31,9 @@ def _runtime(name: str, v: int, m: int, *, checkpointing: str = "none"):
     rank = dist.get_rank()
     schedule = build_schedule(name, pp=dist.get_world_size(), microbatches=m, virtual_stages=v)
     cfg = _model_cfg(n_layers=schedule.n_stages)
-    local = build_local_stages(cfg, schedule.stages_of(rank), n_stages=schedule.n_stages,
-                               seed=SEED).double()
+    local, _ = build_local_stages(cfg, schedule.stages_of(rank), n_stages=schedule.n_stages,
+                                  seed=SEED)
+    local.double()
     apply_activation_checkpointing(local, checkpointing)
     runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,
                               peers=list(range(dist.get_world_size())),

@@ -13,7 +13,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.step import lm_loss
 
 SEED, MB, SEQ = 7, 2, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1),
@@ -50,8 +50,9 @@ def run_pipeline_and_compare(name: str, v: int, m: int, drop_w: bool = False) ->
         cfg = _model_cfg(n_layers=schedule.n_stages)
         if drop_w:
             schedule = _without_first_w(schedule)
-        local = build_local_stages(cfg, schedule.stages_of(rank), n_stages=schedule.n_stages,
-                                   seed=SEED).double()
+        local, _ = build_local_stages(cfg, schedule.stages_of(rank),
+                                      n_stages=schedule.n_stages, seed=SEED)
+        local.double()
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,
                                   peers=list(range(pp)), act_shape=(MB, SEQ, cfg.dim))
         micro = _micro_batches(m, cfg.vocab_size)
@@ -108,7 +109,7 @@ def _batched_equals_unbatched(schedule: str):
 
     cfg, rank = PRESETS["debug"], dist.get_rank()
     s = build_schedule(schedule, pp=2, microbatches=4)
-    local = build_local_stages(cfg, s.stages_of(rank), n_stages=s.n_stages, seed=0)
+    local, _ = build_local_stages(cfg, s.stages_of(rank), n_stages=s.n_stages, seed=0)
     gen = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 512, (2, 16), generator=gen),
             torch.randint(0, 512, (2, 16), generator=gen)) for _ in range(4)]

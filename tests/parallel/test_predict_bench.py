@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.calibrate import calibrated_cluster
 from hpctrain.plan.predict import predict_run
 from hpctrain.plan.task import run_plan
 from tests.conftest import ROOT, make_config
@@ -21,7 +21,7 @@ def test_calibration_from_a_gemm_bench_run(tmp_path):
            f"hydra.run.dir={bench_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    spec = ClusterSpec.from_bench(bench_dir / "bench.json")
+    spec = calibrated_cluster(bench_dir / "bench.json")
     assert spec.device.peak_flops("fp32") > 0 and spec.device.peak_flops("bf16") > 0
     assert spec.intra_node_bw > 0 and spec.inter_node_bw > 0  # gemm only: local constants
     over = ["model=debug", "train=debug", f"cluster.calibration={bench_dir / 'bench.json'}"]

@@ -35,6 +35,7 @@ ODD = ["model.dim=34", "model.n_heads=1", "model.n_kv_heads=1", "model.ffn_dim=6
 def _train(overrides: list[str], run_dir: str):
     from hpctrain.distributed.dims import ParallelDims
     from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.plan.predict import RunPrediction
     from hpctrain.train.trainer import Trainer
 
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,8 @@ def _train(overrides: list[str], run_dir: str):
     p = cfg.parallel
     mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
                       device=torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
+    prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
+    trainer = Trainer(cfg, mesh, prediction=prediction)  # as hpctrain.tasks.train_task does
     summary = trainer.run()
     padding = trainer.dp.padding() if trainer.dp is not None else None
     return summary, trainer.memory_metrics(), padding

@@ -17,8 +17,8 @@ from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models import build_model
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.state import full_model_state
+from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from hpctrain.train.scaler import LossScaler
 from hpctrain.train.tensor_parallel import engine_axes
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.reference_step import reference_optimizer, reference_step

@@ -35,9 +35,9 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _local_reference(overrides: list[str], run_dir: Path) -> list[tuple[int, float]]:
+    from hpctrain.data.prepare import prepare
     from hpctrain.launch.local import launch_local
     from hpctrain.tasks import RANK_TASKS
-    from hpctrain.data.prepare import prepare
 
     cfg = make_config(overrides, run_dir=run_dir)
     prepare(cfg.data)
@@ -180,7 +180,7 @@ def test_sweep_two_points_summary(slurm_cluster, tmp_path):
     table = (tmp_path / "sweep_summary.md").read_text()
     assert "| 1 | ok | optim.lr=0.003 |" in table
     assert "sweep summary" in proc.stderr + proc.stdout
-    from hpctrain.launch.sweep import sweep_group
+    from hpctrain.parse import sweep_group
 
     cfg = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert cfg["run_dir"] == str(tmp_path / "0")

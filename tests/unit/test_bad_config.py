@@ -1,4 +1,4 @@
-"""Every bad input is refused by `config.parse`: one ValueError naming the key and the fix.
+"""Every bad input is refused by `hpctrain.parse.parse`: one ValueError naming the key and the fix.
 
 Each row of BAD is a mistake a user makes (or a relative of one): the overrides, then words
 the single message must contain — the key (with its value) and the fix. `{d}` is a folder

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpctrain.plan.devices import DEVICES, lookup_device
+from hpctrain.metrics.devices import DEVICES, lookup_device
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_missing_precision_peak_names_the_fix():
 
 
 def test_mfu_is_null_for_unknown_devices():
-    from hpctrain.plan.devices import mfu_or_none
+    from hpctrain.metrics.devices import mfu_or_none
 
     assert mfu_or_none(156e12, "NVIDIA A100-SXM4-80GB") == pytest.approx(0.5)
     assert mfu_or_none(156e12, "Some Future GPU") is None

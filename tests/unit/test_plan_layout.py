@@ -2,9 +2,9 @@
 
 import pytest
 
+from hpctrain.metrics.devices import DEVICES
 from hpctrain.models.config import PRESETS
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.devices import DEVICES
 from hpctrain.plan.layout import Layout, layout_problems, num_microbatches
 
 

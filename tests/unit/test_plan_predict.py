@@ -10,8 +10,8 @@ import torch
 
 from hpctrain.models import build_model
 from hpctrain.models.config import PRESETS
-from hpctrain.plan.calibrate import LOCAL_BW, gemm_flops, measured_spec
-from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
+from hpctrain.plan.calibrate import LOCAL_BW, calibrated_cluster, gemm_flops, measured_spec
+from hpctrain.plan.cluster import megatron_a100_cluster
 from hpctrain.plan.flat_states import flat_state_bytes, param_groups
 from hpctrain.plan.memory import model_state_bytes
 
@@ -66,7 +66,7 @@ def _bench_file(tmp_path):
 
 
 def test_from_bench_takes_peak_links_and_latencies(tmp_path):
-    spec = ClusterSpec.from_bench(_bench_file(tmp_path))
+    spec = calibrated_cluster(_bench_file(tmp_path))
     assert spec.device.peak_flops("bf16") == 3.5e12  # max over shapes of the rank median
     assert math.isnan(spec.device.fp32_flops)
     assert (spec.intra_node_bw, spec.inter_node_bw) == (100e9, 20e9)
@@ -80,13 +80,13 @@ def test_from_bench_keeps_what_the_file_lacks_from_base(tmp_path):
         _rec("gemm", precision="fp32", kind="square", shape="8^3", m=8, k=8, n=8, tflops=0.5,
              peak_tflops=None)]}))
     base = megatron_a100_cluster()
-    spec = ClusterSpec.from_bench(path, base=base)
+    spec = calibrated_cluster(path, base=base)
     assert spec.device.peak_flops("fp32") == 0.5e12
     assert spec.device.peak_flops("bf16") == base.device.bf16_flops
     assert spec.intra_node_bw == base.intra_node_bw
-    assert ClusterSpec.from_bench(path).intra_node_bw == LOCAL_BW
+    assert calibrated_cluster(path).intra_node_bw == LOCAL_BW
 
 
 def test_from_bench_names_a_missing_file(tmp_path):
     with pytest.raises(ValueError, match="task=bench"):
-        ClusterSpec.from_bench(tmp_path / "nope.json")
+        calibrated_cluster(tmp_path / "nope.json")

@@ -10,8 +10,8 @@ import torch
 from hpctrain.config import OptimConfig
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.env import expand_nodelist, from_environ, slurm_port
+from hpctrain.parallel.scaler import LossScaler
 from hpctrain.train.optim import lr_at
-from hpctrain.train.scaler import LossScaler
 
 
 def test_lr_warmup_then_cosine_to_min():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
 from hpctrain.parallel.data.units import FlatUnit
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,7 +57,7 @@ class _Pending:
 @dataclass
 class GradReducer:
     units: list[FlatUnit]
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None  # the dp group (None only without torch.distributed)
     zero: int
     comm_dtype: str = "fp32"
     on_unit_done: Callable[[FlatUnit], None] | None = None  # ZeRO-3 frees params here
@@ -68,7 +69,7 @@ class GradReducer:
     _handles: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.dp = 1 if self.group is None else dist.get_world_size(self.group)
+        self.dp = group_size(self.group)
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -110,7 +111,7 @@ class GradReducer:
             buf = unit.grad_full.to(wire)  # no copy when dtypes agree: reduced in place
         else:
             buf = unit.pack_grads(wire)
-        if self.group is None:
+        if self.dp == 1:  # nothing to reduce: skip the collective
             self._pending.append(_Pending(unit, None, buf))
             return
         if wire != acc:  # 16-bit wire, fp32 sum: gather everyone's buffer
@@ -143,14 +144,14 @@ class GradReducer:
     def _land(self, pending: _Pending) -> None:
         unit, buf = pending.unit, pending.buf
         acc = self._acc_dtype(unit)
-        if self.group is not None and buf.dtype != acc:
+        if self.dp > 1 and buf.dtype != acc:
             n = unit.layout.padded_numel
             parts = buf.view(self.dp, n)
             if unit.grad_full is None:
                 lo, hi = unit.layout.shard_range(unit.shard_rank)
                 parts = parts[:, lo:hi]
             buf = parts.to(acc).sum(0)
-        elif self.group is None and unit.grad_full is None:
+        elif self.dp == 1 and unit.grad_full is None:
             lo, hi = unit.layout.shard_range(unit.shard_rank)
             buf = buf[lo:hi]
         target = unit.grad_full if unit.grad_full is not None else unit.grad_shard

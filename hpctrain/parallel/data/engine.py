@@ -30,15 +30,16 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hpctrain.metrics.memory import storage_bytes
+from hpctrain.distributed.mesh import group_rank, group_size
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
-from hpctrain.train.scaler import LossScaler
-from hpctrain.train.step import StepResult, allreduce_mean, autocast, lm_loss
+from hpctrain.parallel.memory import storage_bytes
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import StepResult, allreduce_mean, autocast, lm_loss
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,10 +63,10 @@ class DataParallel:
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
         # Overflow must be agreed by every rank that steps together: the dp group alone only
-        # when the units hold the whole model.
-        self.overflow_group = group if not any(g is not None for g in norm_groups) else None
-        dp = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
+        # when the units hold the whole model, else every rank (tp/pp shards step together).
+        split = any(group_size(g) > 1 for g in norm_groups)
+        self.overflow_group = dist.group.WORLD if split else group
+        dp, rank = group_size(group), group_rank(group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
         groups = _groups(model, named, zero=zero, bucket_bytes=bucket_mb * 2**20,

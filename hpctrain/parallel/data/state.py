@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
 from hpctrain.parallel.data.units import FlatUnit
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _gather(unit: FlatUnit, shard: torch.Tensor, group) -> torch.Tensor:
-    if unit.layout.n_shards == 1 or group is None:
+    if unit.layout.n_shards == 1 or group_size(group) == 1:
         return shard.detach().clone()
     full = torch.empty(unit.layout.padded_numel, dtype=shard.dtype, device=shard.device)
     dist.all_gather_single(full, shard.detach().contiguous(), group=group)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
 from hpctrain.parallel.data.layout import ShardLayout
 
 
@@ -80,7 +81,7 @@ class FlatUnit:
     def gather_async(self, group) -> dist.Work | None:
         """ZeRO-3: allocate `full` and start all-gathering the shards into it."""
         self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        if group is None:
+        if group_size(group) == 1:
             self.full.copy_(self.shard)
             return None
         return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
@@ -92,7 +93,7 @@ class FlatUnit:
         in-place form NCCL documents, and gloo handles it too (checked for 2-4 ranks), so no
         shard-sized copy is made per unit and step.
         """
-        if group is None or self.layout.n_shards == 1:
+        if self.layout.n_shards == 1 or group_size(group) == 1:
             return None
         return dist.all_gather_single(self.full, self.shard, group=group, async_op=async_op)
 

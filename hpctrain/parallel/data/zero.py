@@ -42,7 +42,7 @@ class ShardedAdamW:
         if optim.name != "adamw":
             raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
         self.units, self.group, self.offload = units, group, offload
-        self.norm_groups = tuple(g for g in norm_groups if g is not None)
+        self.norm_groups = tuple(norm_groups)
         self._weights = [self._norm_weights(u, grad_replicas or {}) for u in units]
         self.betas, self.eps, self.weight_decay = (optim.beta1, optim.beta2), optim.eps, \
             optim.weight_decay
@@ -92,9 +92,11 @@ class ShardedAdamW:
             for lo, hi, k in weights:  # count a replicated value once: keep 1/k of it
                 part = torch.linalg.vector_norm(g[lo:hi], dtype=acc).double().square()
                 sq -= part * (1 - 1 / k)
-        sharded = self.group is not None and self.units[0].layout.n_shards > 1
-        return reduce_norm(sq, loss=loss, groups=(self.group if sharded else None,
-                                                  *self.norm_groups), unscale=unscale)
+        # Shards are disjoint over dp only when sharded; unsharded, every dp rank holds the
+        # same (already reduced) gradients and summing over dp would count them dp times.
+        sharded = self.units[0].layout.n_shards > 1
+        groups = (self.group, *self.norm_groups) if sharded else self.norm_groups
+        return reduce_norm(sq, loss=loss, groups=groups, unscale=unscale)
 
     # -- the update ------------------------------------------------------------------------------
     @torch.no_grad()

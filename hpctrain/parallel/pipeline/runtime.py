@@ -38,7 +38,7 @@ from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
 from hpctrain.parallel.pipeline.lowering import forward_only
 from hpctrain.parallel.pipeline.stage import LocalStages
-from hpctrain.train.step import autocast
+from hpctrain.parallel.step import autocast
 
 K = ActionKind
 MicroBatch = tuple  # inputs_BL, targets_BL[, docs] (ops.documents.split_micro_batch)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hpctrain.distributed.mesh import group_size
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.init import full_init, init_weights
 from hpctrain.models.llama import Block, block_rope
@@ -26,7 +27,9 @@ from hpctrain.ops.linear import Linear, WeightGradQueue
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import rope_tables
 from hpctrain.parallel.pipeline.tied import HeadAlias, tie_local_stages
-from hpctrain.train.step import lm_loss
+from hpctrain.parallel.pipeline.tp_stages import shard_stages
+from hpctrain.parallel.step import lm_loss
+from hpctrain.parallel.tensor.plan import TensorParallelPlan
 
 
 def stage_layers(stage: int, *, n_stages: int, n_layers: int) -> range:
@@ -118,18 +121,15 @@ class LocalStages(nn.Module):
 
 
 def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
-                       tp_group=None, sp: bool = False) -> LocalStages:
-    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised.
-
-    With a `tp_group` (of size > 1) each stage is replaced by its tensor-parallel shard
-    (`hpctrain.parallel.pipeline.tp_stages`); the merged plan is `LocalStages.tp_plan`."""
+                       tp_group=None, sp: bool = False
+                       ) -> tuple[LocalStages, TensorParallelPlan | None]:
+    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised, and
+    the tensor-parallel plan that sharded them: with a `tp_group` of size > 1 each stage is
+    replaced by its tp shard (`hpctrain.parallel.pipeline.tp_stages`), else the plan is None.
+    The caller keeps the plan (it is not stored on the modules)."""
     stages = {s: PipelineStage(cfg, stage=s, n_stages=n_stages, seed=seed) for s in stage_ids}
     plan = None
-    if tp_group is not None:
-        from hpctrain.parallel.pipeline.tp_stages import shard_stages
-
+    if group_size(tp_group) > 1:
         plan = shard_stages(stages, group=tp_group, sp=sp, cfg=cfg)
     tie_local_stages(stages, n_stages=n_stages)  # after sharding: tie the shards
-    local = LocalStages(stages)
-    local.tp_plan = plan
-    return local
+    return LocalStages(stages), plan

@@ -56,19 +56,26 @@ def tied_group(dims: ParallelDims, rank: int, *, timeout_s: float):
 
 
 class TiedEmbeddings:
-    """This rank's copy of E (`weight`) and the group it is summed over (None: one copy)."""
+    """This rank's copy of E (`weight`) and the pair group it is summed over. `group` is None
+    when there is no pair (first and last stage on this rank: one Parameter, nothing to sum);
+    it is not a mesh axis, and None never stands for the world here."""
 
     def __init__(self, weight: nn.Parameter, *, group):
         self.weight, self.group = weight, group
 
     @property
+    def split(self) -> bool:
+        """E is held by two ranks (a copy each), whose gradients must be summed."""
+        return self.group is not None
+
+    @property
     def replicas(self) -> dict[int, int]:
         """{id(E): 2} when E is held by two pp ranks (each counts ‖g‖²/2 in the clip norm)."""
-        return {id(self.weight): 2} if self.group is not None else {}
+        return {id(self.weight): 2} if self.split else {}
 
     def sum_grads(self) -> None:
         """Σ of both copies' gradients on both ranks; call before the dp reduction."""
-        if self.group is not None and self.weight.grad is not None:
+        if self.split and self.weight.grad is not None:
             dist.all_reduce(self.weight.grad, group=self.group)
 
 

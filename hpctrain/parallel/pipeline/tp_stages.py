@@ -29,6 +29,7 @@ def shard_stages(stages: dict, *, group, sp: bool, cfg: ModelConfig) -> TensorPa
     merged = TensorParallelPlan(group, sp, CommCounter())
     for stage in stages.values():
         plan = apply_tensor_parallel(stage, group=group, sp=sp, cfg=cfg, counter=merged.counter)
+        merged.kv_shard = plan.kv_shard  # the same for every stage (a function of cfg and rank)
         merged.modules.update(plan.modules)
         merged.replicas.update(plan.replicas)
         merged.kv_slots.update(plan.kv_slots)

@@ -6,7 +6,7 @@ Megatron's pair: `copy_to_tp` (f) is the identity forward and an all-reduce (sum
 parallelism `gather_seq` all-gathers x_BlD → x_BLD forward and reduce-scatters backward;
 `reduce_scatter_seq` is its conjugate. `gather_last` / `split_last` do the same along the last
 dim without reduction (split's conjugate is a gather, gather's is a split).
-Every op takes its group explicitly and is the identity when the group is None or has one rank.
+Every op takes its group explicitly and is the identity when the group has one rank.
 
 Bytes sent per rank follow the ring algorithms (what NCCL's bus bandwidth assumes): an
 all-reduce of n bytes sends 2(p−1)/p·n, an all-gather producing n bytes sends (p−1)/p·n and a
@@ -19,6 +19,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from hpctrain.distributed.mesh import group_rank, group_size
 
 SEQ_DIM = 1
 
@@ -40,12 +42,7 @@ class CommCounter:
         self.by_kind.clear()
 
 
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+_size, _rank = group_size, group_rank  # short names for the many call sites below
 
 
 def _nbytes(t: torch.Tensor) -> int:

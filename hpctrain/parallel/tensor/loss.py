@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.ops.documents import IGNORE_INDEX
-from hpctrain.parallel.tensor.comm import CommCounter, _rank, all_reduce
+from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size, all_reduce
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -55,7 +55,7 @@ def vocab_parallel_cross_entropy(logits_BLv: torch.Tensor, targets_BL: torch.Ten
     """Mean next-token cross entropy from this rank's vocabulary shard of the logits.
 
     Equals F.cross_entropy(gather(logits), targets) but communicates 3·T numbers, not T·V."""
-    if group is None or dist.get_world_size(group) == 1:
+    if _size(group) == 1:
         dtype = torch.promote_types(logits_BLv.dtype, torch.float32)
         return torch.nn.functional.cross_entropy(logits_BLv.flatten(0, 1).to(dtype),
                                                  targets_BL.flatten())

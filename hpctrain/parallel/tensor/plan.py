@@ -17,6 +17,7 @@ the corresponding slice of the single-process model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -32,23 +33,87 @@ from hpctrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 
+Style = Literal["column", "row", "vocab", "entry_norm"]
+
+# The layout, as a table of module names to styles (one readable place; the per-parameter
+# shard spec, hpctrain.parallel.state, is derived from it). Names inside each block:
+BLOCK_PLAN: dict[str, Style] = {
+    "attn_norm": "entry_norm", "mlp_norm": "entry_norm",  # replicated gain + the entry op
+    "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
+    "mlp.w1": "column", "mlp.w3": "column",
+    "attn.wo": "row", "mlp.w2": "row",
+}
+END_PLAN: dict[str, Style] = {"tok_embeddings": "vocab", "output": "column"}
+KV_MODULES = ("attn.wk", "attn.wv")  # split by kv head: replicated on tp/K ranks when K < tp
+
+
+@dataclass(frozen=True)
+class TpSlice:
+    """How one parameter is split over tp on one rank: it is `full.chunk(parts, dim)[index]`;
+    dim None: the rank holds the whole tensor. `replicas`: tp ranks holding identical values
+    (1 sharded, tp/K replicated kv heads, tp fully replicated)."""
+
+    dim: int | None
+    index: int = 0
+    parts: int = 1
+    replicas: int = 1
+
+
+def planned_style(module: str) -> Style | None:
+    """The table's style for a full-model module name (None: not planned, so replicated)."""
+    head, _, rest = module.partition(".")
+    if head == "layers":  # layers.<i>.<name in the block>
+        return BLOCK_PLAN.get(rest.partition(".")[2])
+    return END_PLAN.get(module)
+
+
+def kv_slot(n_kv_heads: int, *, tp: int, tp_rank: int) -> tuple[int, int] | None:
+    """(slot, K) of the kv head this tp rank holds when the K kv heads are fewer than tp
+    (each replicated on tp/K ranks); None when they split evenly."""
+    if n_kv_heads % tp == 0:
+        return None
+    if tp % n_kv_heads:
+        raise ValueError(f"model.n_kv_heads={n_kv_heads} and parallel.tp={tp}: kv heads must "
+                         "be divisible by tp (split) or divide tp (replicated)")
+    return tp_rank // (tp // n_kv_heads), n_kv_heads
+
+
+def tp_slice(param_name: str, *, tp: int, tp_rank: int,
+             kv: tuple[int, int] | None = None) -> TpSlice:
+    """The tp slice of a full-model parameter (e.g. layers.3.attn.wk.weight) on `tp_rank`, by
+    the table: column/vocab split dim 0 (weight and bias), row splits the weight's dim 1 (its
+    bias is replicated), anything else is replicated; `kv` = `kv_slot(...)` for wk/wv."""
+    module, _, attr = param_name.rpartition(".")
+    style = planned_style(module)
+    if tp > 1 and (style in ("column", "vocab") or (style == "row" and attr == "weight")):
+        is_kv = module.partition(".")[0] == "layers" and module.split(".", 2)[-1] in KV_MODULES
+        index, parts = kv if kv is not None and is_kv else (tp_rank, tp)
+        return TpSlice(1 if style == "row" else 0, index, parts, tp // parts)
+    return TpSlice(None, replicas=tp)
+
 
 @dataclass
 class TensorParallelPlan:
-    """What `apply_tensor_parallel` did: the planned modules (name → module) and, for every
-    parameter, how many tp ranks hold identical values (`replicas`: 1 sharded, p/K replicated
-    kv heads, p fully replicated). `kv_slots` maps replicated kv parameters to (slot, n_slots)."""
+    """What `apply_tensor_parallel` did, for this rank: the planned modules (full name →
+    module, per the table) and `kv_shard` = (slot, K) when kv heads
+    are replicated (K < tp). For the gradient sync and norm, `replicas` maps id(param) → tp
+    ranks holding identical values and `kv_slots` id(kv param) → (slot, K)."""
 
     group: object
     sp: bool
     counter: CommCounter
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    kv_shard: tuple[int, int] | None = None
     replicas: dict[int, int] = field(default_factory=dict)
     kv_slots: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def tp(self) -> int:
         return _size(self.group)
+
+    def slice_of(self, param_name: str) -> TpSlice:
+        """The tp slice of `param_name` (a full-model name) on this rank (`tp_slice`)."""
+        return tp_slice(param_name, tp=self.tp, tp_rank=_rank(self.group), kv=self.kv_shard)
 
 
 def _full(model: nn.Module, name: str, *, seed: int | None, cfg: ModelConfig) -> torch.Tensor:
@@ -64,73 +129,67 @@ def _set(model: nn.Module, name: str, module: nn.Module, plan: TensorParallelPla
     plan.modules[name] = module
 
 
-def _kv_shard(cfg: ModelConfig, group) -> tuple[int, int] | None:
-    p = _size(group)
-    if cfg.n_kv_heads % p == 0:
-        return None
-    if p % cfg.n_kv_heads:
-        raise ValueError(f"model.n_kv_heads={cfg.n_kv_heads} and parallel.tp={p}: kv heads must "
-                         "be divisible by tp (split) or divide tp (replicated)")
-    return _rank(group) // (p // cfg.n_kv_heads), cfg.n_kv_heads
+def _shard_module(style: Style, w: torch.Tensor, *, plan: TensorParallelPlan, cfg: ModelConfig,
+                  entry: str, kv: tuple[int, int] | None) -> nn.Module:
+    """The parallel module for `style`, from the full weight `w`. `entry`: how a column layer's
+    input enters tp ("none" inside a block, where the entry norm already did it)."""
+    g, c = plan.group, plan.counter
+    exit = "reduce_scatter_seq" if plan.sp else "reduce"
+    if style == "entry_norm":
+        norm_entry = "gather_seq" if plan.sp else "copy"
+        new = ParallelEntryRMSNorm(cfg.dim, eps=cfg.norm_eps, group=g, entry=norm_entry,
+                                   counter=c)
+        new.weight = nn.Parameter(w.clone())
+        return new
+    if style == "column":
+        return ColumnParallelLinear.from_full(w, group=g, shard=kv, entry=entry, counter=c)
+    if style == "row":
+        return RowParallelLinear.from_full(w, group=g, exit=exit, counter=c)
+    return VocabParallelEmbedding.from_full(w, group=g, exit=exit, counter=c)
 
 
-def _plan_block(model, i: int, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
-    pre, g, c = f"layers.{i}.", plan.group, plan.counter
-    entry, exit = ("gather_seq", "reduce_scatter_seq") if plan.sp else ("copy", "reduce")
-    for norm in ("attn_norm", "mlp_norm"):
-        new = ParallelEntryRMSNorm(cfg.dim, eps=cfg.norm_eps, group=g, entry=entry, counter=c)
-        new.weight = nn.Parameter(_full(model, pre + norm + ".weight", seed=seed, cfg=cfg).clone())
-        _set(model, pre + norm, new, plan)
-    kv = _kv_shard(cfg, g)
-    for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
-        shard = kv if name in ("attn.wk", "attn.wv") else None
-        w = _full(model, pre + name + ".weight", seed=seed, cfg=cfg)
-        new = ColumnParallelLinear.from_full(w, group=g, shard=shard, entry="none", counter=c)
-        _set(model, pre + name, new, plan)
-        if shard is not None:
-            plan.kv_slots[id(new.weight)] = shard
-    for name in ("attn.wo", "mlp.w2"):
-        w = _full(model, pre + name + ".weight", seed=seed, cfg=cfg)
-        _set(model, pre + name, RowParallelLinear.from_full(w, group=g, exit=exit, counter=c),
-             plan)
+def _plan_block(model, i: str, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
+    for suffix, style in BLOCK_PLAN.items():
+        name = f"layers.{i}.{suffix}"
+        kv = plan.kv_shard if suffix in KV_MODULES else None
+        w = _full(model, name + ".weight", seed=seed, cfg=cfg)
+        _set(model, name, _shard_module(style, w, plan=plan, cfg=cfg, entry="none", kv=kv), plan)
 
 
 def _plan_ends(model, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
-    g, c = plan.group, plan.counter
-    entry, exit = ("gather_seq", "reduce_scatter_seq") if plan.sp else ("copy", "reduce")
-    if getattr(model, "tok_embeddings", None) is not None:
-        w = _full(model, "tok_embeddings.weight", seed=seed, cfg=cfg)
-        _set(model, "tok_embeddings",
-             VocabParallelEmbedding.from_full(w, group=g, exit=exit, counter=c), plan)
-    if getattr(model, "output", None) is not None:
-        tied = cfg.tied_embeddings and "tok_embeddings" in plan.modules
-        w = _full(model, "output.weight", seed=seed, cfg=cfg)
-        out = ColumnParallelLinear.from_full(w, group=g, entry=entry, counter=c)
-        if tied:
-            out.weight = plan.modules["tok_embeddings"].weight
-        _set(model, "output", out, plan)
+    entry = "gather_seq" if plan.sp else "copy"
+    for name, style in END_PLAN.items():
+        if getattr(model, name, None) is None:  # a pipeline stage without this end
+            continue
+        w = _full(model, name + ".weight", seed=seed, cfg=cfg)
+        new = _shard_module(style, w, plan=plan, cfg=cfg, entry=entry, kv=None)
+        if name == "output" and cfg.tied_embeddings and "tok_embeddings" in plan.modules:
+            new.weight = plan.modules["tok_embeddings"].weight
+        _set(model, name, new, plan)
 
 
 def apply_tensor_parallel(model: nn.Module, *, group, sp: bool, seed: int | None = None,
                           cfg: ModelConfig, counter: CommCounter | None = None
                           ) -> TensorParallelPlan:
-    """Replace `model`'s Linear/Embedding/block-norm modules by their tp shards (by name).
+    """Replace `model`'s modules named in the table (BLOCK_PLAN per block, END_PLAN) by their
+    tp shards, and return the plan (the caller keeps it: nothing is stored on the model).
 
     Call it on every rank of `group`, before activation checkpointing, optimizers or moving
-    the model. Returns the plan (also stored as `model.tp_plan`)."""
-    plan = TensorParallelPlan(group, sp, counter if counter is not None else CommCounter())
+    the model."""
+    plan = TensorParallelPlan(group, sp, counter if counter is not None else CommCounter(),
+                              kv_shard=kv_slot(cfg.n_kv_heads, tp=_size(group),
+                                               tp_rank=_rank(group)))
     with torch.no_grad():
         # named_children: a Transformer's ModuleList (0..n-1) or a pipeline stage's ModuleDict
         # keyed by global layer index, so plan names are the full model's either way.
         for i, _ in model.layers.named_children():
             _plan_block(model, i, plan, seed=seed, cfg=cfg)
         _plan_ends(model, plan, seed=seed, cfg=cfg)
-    sharded = {id(p) for m in plan.modules.values() if not isinstance(m, ParallelEntryRMSNorm)
-               for n, p in m.named_parameters() if n == "weight"}
-    for p in model.parameters():
-        slot = plan.kv_slots.get(id(p))
-        plan.replicas[id(p)] = (plan.tp // slot[1] if slot else 1) if id(p) in sharded else plan.tp
-    model.tp_plan = plan
+    for name, p in model.named_parameters(remove_duplicate=False):
+        piece = plan.slice_of(name)
+        plan.replicas[id(p)] = piece.replicas
+        if piece.dim is not None and piece.parts != plan.tp:
+            plan.kv_slots[id(p)] = (piece.index, piece.parts)
     return plan
 
 

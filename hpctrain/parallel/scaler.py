@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import group_size
+
 
 @dataclass
 class LossScaler:
@@ -24,10 +26,11 @@ class LossScaler:
         return self.scale if self.enabled else 1.0
 
     def found_overflow(self, grads: list[torch.Tensor], group=None) -> bool:
-        """True when any gradient on any rank holds inf/nan."""
+        """True when any gradient on any rank of `group` holds inf/nan (None: this process
+        alone; pass `dist.group.WORLD` for every rank)."""
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], device=grads[0].device if grads else None)
-        if dist.is_initialized():
+        if group_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 

@@ -1,5 +1,8 @@
 """Accelerator table: dense peak FLOP/s, memory and HBM bandwidth, looked up by torch's name.
 
+The MFU denominator (metrics.throughput) and the hardware the planner and benchmarks assume;
+it sits in metrics, below train, bench and plan, so all of them read one table.
+
 Peaks are the vendors' *dense* (no 2:4 sparsity) tensor-core numbers. Memory is in bytes; the
 vendors' "80GB"/"141GB" are binary gigabytes on these parts (nvidia-smi shows 81920 MiB for an
 A100 80GB), so the table stores GiB × 2^30. An MI250X appears to torch as two devices (one per

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hpctrain.distributed.mesh import group_size
 from hpctrain.ops.documents import split_micro_batch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,9 +44,10 @@ class StepResult:
 
 
 def allreduce_mean(tensors: Iterable[torch.Tensor], group) -> None:
-    """In-place average over `group` (one flat buffer, one collective)."""
+    """In-place average over `group` (one flat buffer, one collective; none for a size-1
+    group)."""
     tensors = list(tensors)
-    if group is None or not tensors:
+    if group_size(group) == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)

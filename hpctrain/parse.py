@@ -1,0 +1,64 @@
+"""From Hydra's composed config to a validated, frozen Config: `parse(cfg)`.
+
+The Hydra entry points (`python -m hpctrain`, `python -m hpctrain.launch.sbatch`, the sweep
+callback) call it right after composing. It sits above `hpctrain.validate` (which reads every
+component's rules) and below `hpctrain.launch`, so `hpctrain.config` stays the plain schema
+that every layer reads and imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from hpctrain.config import Config, collect, format_problems
+from hpctrain.validate import validate
+
+
+def parse(cfg, *, run_dir: str | None = None) -> Config:
+    """Hydra DictConfig → validated, frozen Config. Raises one ValueError listing every
+    mistake (hpctrain.validate), each with its fix. Without `run_dir`, Hydra's output dir (or
+    the working directory outside Hydra); in a multirun, logger.group defaults to the sweep's
+    `sweep_group`."""
+    group = None
+    if run_dir is None:
+        run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    config, problems = collect(raw, run_dir=run_dir)
+    if config is None:
+        raise ValueError(format_problems(problems))
+    if group is not None and config.logger.group is None:
+        config = dataclasses.replace(
+            config, logger=dataclasses.replace(config.logger, group=group))
+    validate(config, found=problems)
+    return config
+
+
+def sweep_group(sweep_dir: str | Path) -> str:
+    """W&B group of a sweep: the sweep dir's name with its parent (`2024-05-01_12-30-00`
+    for the default `multirun/2024-05-01/12-30-00`), unique across days."""
+    p = Path(sweep_dir)
+    return f"{p.parent.name}_{p.name}" if p.parent.name else p.name
+
+
+def _hydra_sweep_group() -> str | None:
+    """In a multirun, the W&B group of the sweep, else None."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not inside a Hydra run
+        return None
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return sweep_group(hydra_cfg.sweep.dir)
+
+
+def _hydra_run_dir() -> str:
+    try:
+        return HydraConfig.get().runtime.output_dir
+    except ValueError:  # not inside a Hydra run
+        return os.getcwd()

@@ -1,0 +1,1 @@
+"""Training loop, step, optimizer, checkpointing (layer: above data/metrics, below plan/bench)."""

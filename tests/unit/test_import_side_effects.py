@@ -1,0 +1,64 @@
+"""Importing hpctrain changes nothing process-wide (issue 12 item 7).
+
+A fresh interpreter imports every module of the package (the entry point too, without running
+it) and compares what a library import must not touch: OmegaConf resolvers and Hydra's
+ConfigStore (the entry points register them, `hpctrain.__main__`), matplotlib's backend,
+signal handlers, the environment, the root logger and torch's defaults (not warning filters:
+torch's lazy import of sympy adds one). The entry point's own registration is checked too: it
+registers, and registering twice is harmless.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+PROBE = r"""
+import importlib, logging, os, pkgutil, signal
+import matplotlib
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+def state():
+    return {"backend": dict.__getitem__(matplotlib.rcParams, "backend"),
+            "signals": [signal.getsignal(s) for s in SIGNALS], "env": dict(os.environ),
+            "root_handlers": list(logging.getLogger().handlers),
+            "root_level": logging.getLogger().level,
+            "torch": (torch.get_default_dtype(), torch.get_num_threads()),
+            "resolver": OmegaConf.has_resolver("hpctrain.nodes"),
+            "schemas": sorted(ConfigStore.instance().repo.get("schema", {}))}
+before = state()
+import hpctrain
+names = [m.name for m in pkgutil.walk_packages(hpctrain.__path__, "hpctrain.")]
+for name in names:
+    importlib.import_module(name)
+after = state()
+changed = [k for k in before if before[k] != after[k]]
+assert not changed, {k: (before[k], after[k]) for k in changed}
+assert len(names) > 100 and "hpctrain.__main__" in names, names
+
+from hpctrain import schema
+from hpctrain.launch import resolvers
+for _ in range(2):  # what the entry point does, twice: idempotent
+    schema.register()
+    resolvers.register()
+assert OmegaConf.has_resolver("hpctrain.nodes")
+cfg = OmegaConf.create({"n": "${hpctrain.nodes:4,2,1,4}"})
+assert cfg.n == 2, cfg.n
+assert "train.yaml" in ConfigStore.instance().repo["schema"]
+print("ok", len(names))
+"""
+
+
+def test_importing_every_module_has_no_process_wide_side_effects():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MPLBACKEND", None)  # matplotlib's backend must stay unresolved, as a user left it
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.startswith("ok"), proc.stdout
