@@ -116,6 +116,9 @@ class PackedDocuments:
         self.pieces = document_pieces(offsets, n_tokens=len(tokens), max_len=seq_len)
         self.packed = pack_rows(self.pieces[:, 1], row_len=seq_len)
         self.n_samples = len(self.packed)
+        if self.n_samples < 1:
+            raise ValueError(f"{directory}/{split}.bin holds {len(tokens)} tokens: too few for "
+                             f"one row of documents; add data or lower data.val_fraction")
         real = int(self.pieces[:, 1].sum())
         self.padding_fraction = 1.0 - real / (self.n_samples * seq_len)
 
