@@ -21,21 +21,21 @@ from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
+from hpctrain.parallel.step import allreduce_mean, lm_loss
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.parallel.step import allreduce_mean, lm_loss
 from tests.parallel.threed_reference import expected_slice
 
 SEED, MB, SEQ, M = 11, 2, 12, 2
 TOL = 1e-12
 
 
-def _cfg() -> ModelConfig:
+def _cfg(attention: str = "sdpa") -> ModelConfig:
     return ModelConfig(name="debug", vocab_size=64, dim=16, n_layers=4, n_heads=4, n_kv_heads=2,
-                       ffn_dim=32, max_seq_len=SEQ, attention="sdpa")
+                       ffn_dim=32, max_seq_len=SEQ, attention=attention)
 
 
 def packed_micro_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, Documents]]:
@@ -90,11 +90,12 @@ def _errors(named, mesh, cfg, micro, loss, *, plan) -> dict[str, float]:
     return errs
 
 
-def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool) -> dict[str, float]:
+def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool, attention: str = "sdpa"
+                 ) -> dict[str, float]:
     """This replica's M micro-batches through the 1f1b pipeline on (tp-sharded) stages."""
     torch.set_default_dtype(torch.float64)
     try:
-        dims, cfg = ParallelDims(dp=dp, tp=tp, pp=pp), _cfg()
+        dims, cfg = ParallelDims(dp=dp, tp=tp, pp=pp), _cfg(attention)
         mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
         schedule = build_schedule("1f1b", pp=pp, microbatches=M, virtual_stages=1)
         local, plan = build_local_stages(cfg, schedule.stages_of(mesh.coord("pp")),
@@ -146,8 +147,9 @@ def test_pp2_tp2_sp_packed_matches_single_process(world4):
     _check(results)
 
 
-def test_pp2_dp2_packed_matches_single_process(world4):
-    _check(world4.run(run_pipeline, 2, 1, 2, sp=False))
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_pp2_dp2_packed_matches_single_process(world4, attention):
+    _check(world4.run(run_pipeline, 2, 1, 2, sp=False, attention=attention))
 
 
 @pytest.mark.parametrize("sp", [False, True])
