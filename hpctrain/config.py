@@ -97,6 +97,9 @@ class TrainConfig:
     # A NaN/inf loss or grad norm: stop (exit 3), skip the update, or roll back to the last
     # verified checkpoint and skip that data (hpctrain.train.nonfinite).
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    # rows: windows cut from the token stream; tokens: whole documents grouped by length, little
+    # padding (hpctrain.data.packing). Budget per micro-batch: micro_batch_size × seq_len tokens.
+    batching: Literal["rows", "tokens"] = "rows"
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class DataConfig:
     max_bytes: int = 4_000_000
     val_fraction: float = 0.01
     cache_dir: str = "~/.cache/hpctrain"
+    # documents: attention and RoPE positions stay inside each document; none: a row is one text
+    packing: Literal["documents", "none"] = "documents"
 
 
 @dataclass(frozen=True)

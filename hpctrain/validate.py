@@ -136,6 +136,14 @@ def check_model_shape(c: Config) -> list[str]:
     return errs
 
 
+def check_packing(c: Config) -> list[str]:
+    if c.train.batching == "tokens" and c.data.packing != "documents":
+        return [f"train.batching=tokens packs whole documents into padded rows, which needs "
+                f"data.packing=documents, not data.packing={c.data.packing}: set "
+                f"data.packing=documents or train.batching=rows"]
+    return []
+
+
 def check_batch(c: Config) -> list[str]:
     t, p = c.train, c.parallel
     per_step = t.micro_batch_size * p.dp
@@ -334,6 +342,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
+    check_packing: ("train.batching", "data.packing"),
     check_vocab: ("model.vocab_size", "data."),
     check_data_size: ("data.", "train.", "parallel.dp"),
     check_device: ("cluster.", "train."),
@@ -349,9 +358,10 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
-                             check_head_dim, check_model_shape, check_batch, check_vocab,
-                             check_data_size, check_device, check_attention, check_not_built,
-                             check_schedule, check_pipeline, check_cluster_spec, check_bench)
+                             check_head_dim, check_model_shape, check_batch, check_packing,
+                             check_vocab, check_data_size, check_device, check_attention,
+                             check_not_built, check_schedule, check_pipeline, check_cluster_spec,
+                             check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,
     "bench": CHECKS,

@@ -174,6 +174,7 @@ PLAN_RANGES: dict[str, Range] = {
     "plan.n_devices": positive("or null for nodes × procs_per_node"),
     "plan.top": positive(),
     "plan.dp_overlap": fraction(fix="the fraction of dp communication hidden: e.g. 0.0"),
+    "plan.document_tokens": positive("or null for whole rows"),
 }
 
 

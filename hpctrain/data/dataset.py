@@ -5,6 +5,10 @@ permutation seeded by (seed, e). The global batch of step s is samples [s·G, (s
 infinite stream; data-parallel rank d takes the d-th contiguous slice of G/dp samples and splits
 it into micro-batches. The sampler is a pure function of (seed, step): its whole state is the
 step, so resuming — at any dp size — reproduces the stream exactly.
+
+With data.packing=documents a window's documents are masked from each other (boundaries at the
+end-of-document token, `Documents.from_eod`); with train.batching=tokens the samples are rows of
+whole documents instead (hpctrain.data.packing), drawn by the same sampler.
 """
 
 from __future__ import annotations
@@ -16,13 +20,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.data.packing import PackedDocuments
+from hpctrain.ops.documents import Documents
+
 
 class TokenDataset:
-    def __init__(self, directory: Path, split: str, *, seq_len: int):
+    """Windows of seq_len+1 tokens; `rows(indices)` gives a micro-batch (packing: "none" |
+    "documents", see the module doc)."""
+
+    def __init__(self, directory: Path, split: str, *, seq_len: int, packing: str = "none"):
         meta = json.loads((directory / "meta.json").read_text())
         self.vocab_size, self.eod = meta["vocab_size"], meta["eod"]
+        self.documents = meta.get(f"{split}_documents")  # eod tokens in the split, if recorded
         self.tokens = np.memmap(directory / f"{split}.bin", dtype=meta["dtype"], mode="r")
-        self.seq_len = seq_len
+        self.seq_len, self.packing = seq_len, packing
         self.n_samples = (len(self.tokens) - 1) // seq_len
         if self.n_samples < 1:
             raise ValueError(f"{directory}/{split}.bin holds {len(self.tokens)} tokens, fewer "
@@ -31,6 +42,22 @@ class TokenDataset:
     def sample(self, index: int) -> np.ndarray:
         start = index * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def rows(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+        """inputs_BL, targets_BL and their documents (None without packing)."""
+        inputs_BL, targets_BL = batch(self, indices)
+        docs = Documents.from_eod(inputs_BL, eod=self.eod) if self.packing == "documents" else None
+        return inputs_BL, targets_BL, docs
+
+
+def open_split(directory: Path, split: str, *, seq_len: int, packing: str, batching: str):
+    """The dataset of one split: windows (`TokenDataset`, batching=rows) or rows of whole
+    documents (`hpctrain.data.packing.PackedDocuments`, batching=tokens)."""
+    ds = TokenDataset(directory, split, seq_len=seq_len, packing=packing)
+    if batching == "rows":
+        return ds
+    return PackedDocuments(directory, split, seq_len=seq_len, tokens=ds.tokens, eod=ds.eod,
+                           count=ds.documents)
 
 
 @lru_cache(maxsize=4)

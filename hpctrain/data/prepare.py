@@ -1,7 +1,9 @@
 """Tokenise text into the memmap token layout: `train.bin`/`val.bin` + `meta.json`.
 
 Layout: a flat little-endian uint16 (vocab ≤ 65536) or uint32 array of token ids, documents
-joined by an end-of-document token. `meta.json` records dtype, counts, tokenizer and sources.
+joined by an end-of-document token. `meta.json` records dtype, counts, tokenizer and sources;
+`train.idx`/`val.idx` are the document index (int64 offsets of the eod tokens,
+hpctrain.data.packing) that dynamic batching reads.
 A prepared directory is keyed by a hash of its inputs, written to a temporary name and renamed
 into place, so concurrent or interrupted runs never see a half-written dataset.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.config import DataConfig
+from hpctrain.data.packing import build_document_index, write_document_index
 
 log = logging.getLogger(__name__)
 BYTE_EOD = 256  # byte-level vocabulary: 0..255 are bytes, 256 ends a document
@@ -140,9 +143,14 @@ def prepare(data: DataConfig) -> Path:
     n_train, n_val = split_sizes(len(tokens), data.val_fraction)
     tokens[:n_train].tofile(tmp / "train.bin")
     tokens[n_train:].tofile(tmp / "val.bin")
+    ends = {}  # the document index of each split: offsets of its eod tokens (data.packing)
+    for split, part in (("train", tokens[:n_train]), ("val", tokens[n_train:])):
+        offsets = build_document_index(part, eod=int(eod))
+        write_document_index(tmp / f"{split}.idx", offsets)
+        ends[f"{split}_documents"] = len(offsets)
     meta = {"dtype": np.dtype(dtype).name, "train_tokens": n_train,
             "val_tokens": n_val, "vocab_size": vocab, "eod": int(eod),
-            "tokenizer": data.tokenizer, "documents": len(docs), "source": data.source}
+            "tokenizer": data.tokenizer, "documents": len(docs), "source": data.source, **ends}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     try:
         tmp.rename(out)

@@ -51,9 +51,16 @@ class ModelConfig:
         attention score and value products: 2·2·L·D per token per layer forward, ×3 for
         training. Causal masking is not discounted, matching eager attention's real work.
         """
+        return self.training_flops(tokens=1, attended=seq_len)
+
+    def training_flops(self, *, tokens: int, attended: int) -> int:
+        """Training FLOPs of `tokens` tokens whose attention spans `attended` query-key pairs
+        (unmasked count, as `flops_per_token`): L per token for rows of L tokens, and
+        Σ lᵢ² over the documents of a packed batch (lᵢ their lengths), not L² per row.
+        6·W·tokens + 12·n_layers·D·attended."""
         matmul_weights = self.n_layers * (self.layer_params() - 2 * self.dim)
         matmul_weights += self.vocab_size * self.dim
-        return 6 * matmul_weights + 12 * self.n_layers * self.dim * seq_len
+        return 6 * matmul_weights * tokens + 12 * self.n_layers * self.dim * attended
 
     def with_(self, **changes) -> ModelConfig:
         return replace(self, **changes)

@@ -13,9 +13,12 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.ops.attention import get_attention
+from hpctrain.ops.documents import Documents
 from hpctrain.ops.linear import Linear
 from hpctrain.ops.norms import RMSNorm
-from hpctrain.ops.rope import apply_rope, rope_tables
+from hpctrain.ops.rope import apply_rope, rope_at, rope_tables
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this batch's tokens (ops.rope.rope_at)
 
 
 class AttentionCore(nn.Module):
@@ -27,8 +30,8 @@ class AttentionCore(nn.Module):
         self.backend = backend
         self.fn = get_attention(backend)
 
-    def forward(self, q_BNLH, k_BKLH, v_BKLH):
-        return self.fn(q_BNLH, k_BKLH, v_BKLH)
+    def forward(self, q_BNLH, k_BKLH, v_BKLH, docs: Documents | None = None):
+        return self.fn(q_BNLH, k_BKLH, v_BKLH, docs)
 
 
 class Attention(nn.Module):
@@ -41,7 +44,7 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = AttentionCore(cfg.attention)
 
-    def forward(self, x_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
         B, L, _ = x_BLD.shape
         # Head counts come from the projection widths, so a tensor-parallel shard that holds
         # N/tp heads runs this same code.
@@ -49,7 +52,7 @@ class Attention(nn.Module):
         k_BKLH = self.wk(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
         v_BKLH = self.wv(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
         q_BNLH, k_BKLH = apply_rope(q_BNLH, *rope), apply_rope(k_BKLH, *rope)
-        o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH)
+        o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH, docs)
         return self.wo(o_BNLH.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -74,14 +77,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope)
+    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
+        """Under sequence parallelism x_BLD is this rank's sequence shard, but attention runs
+        after the entry all-gather on the whole row, so `rope` and `docs` cover all L tokens."""
+        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope, docs)
         return h_BLD + self.mlp(self.mlp_norm(h_BLD))
 
 
 class Transformer(nn.Module):
     """tokens_BL → logits_BLV. `tok_embeddings` and `output` may be None on pipeline stages
-    that do not hold them (then the stage maps hidden states to hidden states)."""
+    that do not hold them (then the stage maps hidden states to hidden states).
+    With `docs` (packed rows) attention stays inside each document and RoPE positions
+    restart at each document; without, each row is one document."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -101,9 +108,15 @@ class Transformer(nn.Module):
             self._rope[device] = (cos.to(device), sin.to(device))
         return self._rope[device]
 
-    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BL: torch.Tensor, *, docs: Documents | None = None) -> torch.Tensor:
         h_BLD = self.tok_embeddings(tokens_BL)
-        rope = self.rope(h_BLD.device)
+        rope = block_rope(self.rope(h_BLD.device), docs)
         for block in self.layers:
-            h_BLD = block(h_BLD, rope)
+            h_BLD = block(h_BLD, rope, docs)
         return self.output(self.norm(h_BLD))
+
+
+def block_rope(tables: Rope, docs: Documents | None) -> Rope:
+    """The RoPE angles every block of one forward uses: by row index, or restarting at each
+    document of `docs`."""
+    return rope_at(tables, None if docs is None else docs.positions_BL)

@@ -9,9 +9,13 @@ connect tokens of one document, causally: mask[i, j] = ids[i] == ids[j] and j â‰
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+IGNORE_INDEX = -100  # a target the loss skips: padding of dynamically batched rows
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,16 @@ class Documents:
         ids_BL = torch.zeros(batch, length, dtype=torch.long, device=device)
         return cls.from_ids(ids_BL)
 
+    def to(self, device: torch.device | str) -> Documents:
+        return Documents(ids_BL=self.ids_BL.to(device), positions_BL=self.positions_BL.to(device))
+
     def mask_BLL(self) -> torch.Tensor:
-        """Boolean attention mask: True where query i may attend to key j."""
+        """Boolean attention mask: True where query i may attend to key j. Built once per
+        Documents (every layer of a forward, and its recomputation, shares it)."""
+        return self._mask_BLL
+
+    @cached_property
+    def _mask_BLL(self) -> torch.Tensor:
         L = self.ids_BL.shape[1]
         causal_LL = torch.ones(L, L, dtype=torch.bool, device=self.ids_BL.device).tril()
         same_BLL = self.ids_BL[:, :, None] == self.ids_BL[:, None, :]
@@ -64,3 +76,11 @@ class Documents:
         cu = torch.zeros(len(flat) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(flat, dtype=torch.int32), dim=0)
         return cu.to(self.ids_BL.device), max(flat)
+
+
+def split_micro_batch(micro: Sequence) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+    """A micro-batch is (inputs_BL, targets_BL) or (inputs_BL, targets_BL, docs): the
+    boundaries travel with the tokens, so every consumer (a whole model, any pipeline stage)
+    masks the same documents. Returns the three parts, docs None for unpacked rows."""
+    inputs_BL, targets_BL, *rest = micro
+    return inputs_BL, targets_BL, (rest[0] if rest else None)

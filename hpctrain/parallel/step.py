@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.distributed.mesh import group_size
+from hpctrain.ops.documents import split_micro_batch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,7 +30,8 @@ def autocast(precision: str, device: torch.device):
 
 
 def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over all tokens, computed in fp32."""
+    """Mean next-token cross entropy over the tokens whose target is not IGNORE_INDEX
+    (padding), computed in fp32."""
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
 
 
@@ -61,9 +63,10 @@ def eval_loss(model: torch.nn.Module, batches, *, precision: str, dp_group,
               loss_fn: Callable = lm_loss) -> float:
     losses = []
     device = next(model.parameters()).device
-    for inputs_BL, targets_BL in batches:
+    for micro in batches:
+        inputs_BL, targets_BL, docs = split_micro_batch(micro)
         with autocast(precision, device):
-            logits = model(inputs_BL.to(device))
+            logits = model(inputs_BL.to(device), docs=None if docs is None else docs.to(device))
         losses.append(loss_fn(logits, targets_BL.to(device)).double())
     mean = torch.stack(losses).mean()
     allreduce_mean([mean], dp_group)

@@ -14,6 +14,11 @@ Activations per transformer layer, in bytes, for s·b tokens of width h, a heads
   selective          the same without the 5·a·s/h attention-score term
   full               2·s·b·h (the layer input only; /t under sp, where the stored input is
                      sequence-sharded), plus one layer's full activations while it is recomputed
+The attention-score term 5·a·s/h is the L×L softmax output and dropout mask that the eager
+backend (and Megatron's GPT tables: GPTShape) keeps for backward. A fused backend (sdpa, flash,
+triton, flex: `FUSED_ATTENTION`) keeps no L×L matrix, only the fp32 log-sum-exp per head and
+token (4·a/h instead of 5·a·s/h) and recomputes the scores in backward; document masks do not
+change either count (sdpa's explicit mask, b·s² bytes once per micro-batch, is left out).
 The constants assume 16-bit activations, GPT's MHA and 4h GELU MLP. For Llama-style models
 (GQA, SwiGLU with ffn_dim ≠ 4h, no dropout) they are applied unchanged as an approximation
 (missing dropout masks and smaller K/V make it overcount attention; SwiGLU keeps more
@@ -34,6 +39,14 @@ from hpctrain.plan.shapes import Shape, rank_params
 
 # Gradient-reduction bucket (torch DDP's default bucket_cap_mb = 25).
 REDUCE_BUCKET_BYTES = 25 * 2**20
+# Attention backends that never hold the L×L score matrix (hpctrain.ops.attention).
+FUSED_ATTENTION = ("sdpa", "flash", "triton", "flex")
+
+
+def stores_scores(model: Shape) -> bool:
+    """True when `model`'s attention backend keeps the L×L scores for backward: `eager`, and
+    shapes without a backend (GPTShape, Megatron's tables)."""
+    return getattr(model, "attention", "eager") not in FUSED_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -102,14 +115,17 @@ def layer_activation_bytes(
     model: Shape, *, seq_len: int, micro_batch_size: int, tp: int = 1, sp: bool = False,
     recompute: str = "none",
 ) -> float:
-    """Bytes one layer stores for one microbatch (the Korthikanti table above, 16-bit)."""
+    """Bytes one layer stores for one microbatch (the Korthikanti table above, 16-bit; the
+    score term by backend, see `stores_scores`)."""
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
     s, b, h, a, t = seq_len, micro_batch_size, model.dim, model.n_heads, tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    scores = 5 * a * s / h if stores_scores(model) else 4 * a / h
+    if recompute == "selective":
+        scores = 0.0
     if sp or t == 1:
         return sbh / t * (34 + scores)
     return sbh * (10 + 24 / t + scores / t)

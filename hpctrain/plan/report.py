@@ -19,11 +19,13 @@ def plan_report(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     in_flight: int | None = None, dp_overlap: float = 0.0,
+    attended_per_token: float | None = None,
 ) -> dict:
     """Memory (bytes) and time predictions for one layout, with every input echoed.
 
     in_flight: activation sets alive at the peak (from the pipeline simulator); None takes the
-    closed form `in_flight_microbatches`. All values are plain str/int/float/bool/None.
+    closed form `in_flight_microbatches`. attended_per_token: see `plan.time.step_time`.
+    All values are plain str/int/float/bool/None.
     """
     check_layout(model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size)
     m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
@@ -32,7 +34,8 @@ def plan_report(
                                            v=layout.virtual_stages)
     scored = evaluate_layout(model, cluster, layout, recompute, global_batch=global_batch,
                              micro_batch_size=micro_batch_size, seq_len=seq_len,
-                             precision=precision, dp_overlap=dp_overlap, in_flight=in_flight)
+                             precision=precision, dp_overlap=dp_overlap, in_flight=in_flight,
+                             attended_per_token=attended_per_token)
     mem, t = scored.memory, scored.time
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
     memory.update(total=mem.total, host=mem.host)
@@ -41,6 +44,7 @@ def plan_report(
         "global_batch": global_batch, "micro_batch_size": micro_batch_size,
         "num_microbatches": m, "seq_len": seq_len, "recompute": recompute,
         "precision": precision, "in_flight": in_flight, "dp_overlap": dp_overlap,
+        "attended_per_token": attended_per_token,
     }
     return {
         "inputs": inputs,

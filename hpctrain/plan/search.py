@@ -74,9 +74,11 @@ def enumerate_layouts(
 
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
-                    seq_len, precision, dp_overlap, in_flight: int | None = None) -> Candidate:
+                    seq_len, precision, dp_overlap, in_flight: int | None = None,
+                    attended_per_token: float | None = None) -> Candidate:
     """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
-    pipeline simulator); None takes the closed form `in_flight_microbatches`."""
+    pipeline simulator); None takes the closed form `in_flight_microbatches`.
+    attended_per_token: keys per token under document masks (`plan.time.step_time`)."""
     m = global_batch // (micro_batch_size * layout.dp)
     if in_flight is None:
         in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
@@ -85,7 +87,8 @@ def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_ba
                            in_flight=in_flight, recompute=recompute, precision=precision)
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
-                  precision=precision, dp_overlap=dp_overlap)
+                  precision=precision, dp_overlap=dp_overlap,
+                  attended_per_token=attended_per_token)
     return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes))
 
 
@@ -111,6 +114,7 @@ def search_layouts(
     schedules: Sequence[str] = ("1f1b", "interleaved_1f1b", "zb_h1"),
     zero_stages: Sequence[int] = (0, 1, 2, 3), recomputes: Sequence[str] = RECOMPUTES,
     virtual_stages: Sequence[int] = (2, 4), dp_overlap: float = 0.0,
+    attended_per_token: float | None = None,
 ) -> list[Candidate]:
     """All valid candidates, fitting ones fastest first, each with its reason (module doc)."""
     if n_devices < 1:
@@ -121,7 +125,7 @@ def search_layouts(
         virtual_stages=virtual_stages,
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
-              precision=precision, dp_overlap=dp_overlap)
+              precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token)
     scored = [evaluate_layout(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
     order = {r: i for i, r in enumerate(RECOMPUTES)}
     fitting = sorted((c for c in scored if c.fits), key=lambda c: (

@@ -39,6 +39,9 @@ class PlanConfig:
     dp_overlap: float = 0.0  # fraction of dp gradient communication hidden behind backward
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the search tries these ZeRO stages ...
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zb_h1")  # ... and schedules
+    # Typical document length (tokens) of rows packed with data.packing=documents: attention
+    # FLOPs count min(it, seq_len) keys per token instead of seq_len. None: whole rows.
+    document_tokens: int | None = None
 
 
 def plan_settings(cfg: Config) -> PlanConfig:
@@ -90,8 +93,10 @@ def layout_of(cfg: Config) -> Layout:
 
 def run_plan(cfg: Config) -> dict[str, Any]:
     settings, cluster, t = plan_settings(cfg), cluster_spec(cfg), cfg.train
+    attended = (None if settings.document_tokens is None
+                else min(settings.document_tokens, t.seq_len))
     common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                  seq_len=t.seq_len, precision=t.precision)
+                  seq_len=t.seq_len, precision=t.precision, attended_per_token=attended)
     report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
                          recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
                          dp_overlap=settings.dp_overlap, **common)

@@ -14,7 +14,8 @@ Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatche
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
 The optimizer step and the elementwise kernels are not timed separately: achievable_fraction
-absorbs them.
+absorbs them. Attention FLOPs are linear in the attended length per token: s for rows of one
+sequence, Σ lᵢ²/Σ lᵢ for rows packed with documents of lengths lᵢ (`attended_per_token`).
 """
 
 from __future__ import annotations
@@ -124,12 +125,14 @@ def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
 def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
-    dp_overlap: float = 0.0,
+    dp_overlap: float = 0.0, attended_per_token: float | None = None,
 ) -> StepTime:
     """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
 
     dp_overlap: fraction of the data-parallel communication hidden behind backward compute
     (0 = none, as in Megatron-LM 2021; ~0.5–0.9 for bucketed DDP/FSDP with prefetch).
+    attended_per_token: keys a token attends to on average (unmasked count): seq_len (None)
+    without documents, Σ lᵢ²/Σ lᵢ under document masks.
     """
     if not 0.0 <= dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
@@ -137,7 +140,10 @@ def step_time(
     m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
     n, tokens = layout.n_devices, global_batch * seq_len
     peak = cluster.device.peak_flops(precision)
-    executed = tokens * training_flops_per_token(model, seq_len=seq_len, recompute=recompute)
+    attn = seq_len if attended_per_token is None else attended_per_token
+    if not 0 < attn <= seq_len:
+        raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
+    executed = tokens * training_flops_per_token(model, seq_len=attn, recompute=recompute)
     compute = executed / n / (peak * cluster.achievable_fraction)
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len, precision=precision)
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
@@ -146,7 +152,7 @@ def step_time(
     bubble = (compute + tp + pp) * frac / (1.0 - frac)
     dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
     total = compute + tp + pp + bubble + dp
-    model_flops = tokens * model.flops_per_token(seq_len)
+    model_flops = tokens * model.flops_per_token(attn)
     return StepTime(
         step_time_s=total,
         compute_s=compute,

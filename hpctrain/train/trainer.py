@@ -20,12 +20,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from hpctrain.config import Config
-from hpctrain.data.dataset import Sampler, TokenDataset, batch
+from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.plot import plot_run
-from hpctrain.metrics.throughput import mfu, peak_bf16_flops
+from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
@@ -68,8 +68,9 @@ class Trainer:
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
-        self.train_ds = TokenDataset(data_dir, "train", seq_len=t.seq_len)
-        self.val_ds = TokenDataset(data_dir, "val", seq_len=t.seq_len)
+        kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)
+        self.train_ds = open_split(data_dir, "train", **kw)
+        self.val_ds = open_split(data_dir, "val", **kw)
         self.sampler = Sampler(self.train_ds.n_samples, seed=t.seed, dp=cfg.parallel.dp,
                                global_batch=t.global_batch_size, micro_batch=t.micro_batch_size)
         self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
@@ -87,15 +88,15 @@ class Trainer:
     def micro_batches(self, step: int):
         dp_rank = self.mesh.coord("dp")
         for micro in range(self.cfg.grad_accum):
-            yield batch(self.train_ds, self.sampler.indices(step + self.data_offset,
-                                                            dp_rank=dp_rank, micro=micro))
+            yield self.train_ds.rows(self.sampler.indices(step + self.data_offset,
+                                                          dp_rank=dp_rank, micro=micro))
 
     def eval_batches(self):
         t, dp, dp_rank = self.cfg.train, self.cfg.parallel.dp, self.mesh.coord("dp")
         n = self.val_ds.n_samples
         for j in range(t.eval_batches):
             first = (j * dp + dp_rank) * t.micro_batch_size
-            yield batch(self.val_ds, [(first + i) % n for i in range(t.micro_batch_size)])
+            yield self.val_ds.rows([(first + i) % n for i in range(t.micro_batch_size)])
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
@@ -135,28 +136,37 @@ class Trainer:
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
         take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
+        micro = list(self.micro_batches(step))
         t0 = time.perf_counter()
         if self.pipeline is not None:
-            result, step_extra = self._pipeline_step(step)
+            result, step_extra = self._pipeline_step(micro)
         else:
             result, step_extra = self.dp.train_step(
-                self.micro_batches(step), n_micro=cfg.grad_accum, precision=cfg.train.precision,
+                micro, n_micro=cfg.grad_accum, precision=cfg.train.precision,
                 scaler=self.scaler, grad_clip=cfg.train.grad_clip,
                 **self.tp_hooks), {}
         dt = time.perf_counter() - t0
-        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / dt
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
-                "tokens_per_s": tokens_per_s,
-                "mfu": mfu(cfg.model, tokens_per_s=tokens_per_s, seq_len=cfg.train.seq_len,
-                           n_devices=self.mesh.dims.world_size, peak_flops=self.peak),
-                **take_comm_bytes(self.parallel.tp_plan), **step_extra}
+                **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
+                **step_extra}
 
-    def _pipeline_step(self, step: int):
+    def _throughput(self, micro, dt: float) -> dict[str, Any]:
+        """Real tokens/s and MFU of the global batch (padding not counted, attention FLOPs
+        from the document lengths), its padding fraction and documents."""
+        counts = batch_counts(micro, group=self.mesh.group("dp"), device=self.mesh.device)
+        return {"tokens_per_s": counts.tokens / dt,
+                "mfu": flops_utilization(counts.flops(self.cfg.model) / dt,
+                                         n_devices=self.mesh.dims.world_size,
+                                         peak_flops=self.peak),
+                "padding_fraction": counts.padding_fraction, "documents": counts.documents}
+
+    def _pipeline_step(self, micro: list):
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
-        needs the tokens, the last the targets) and runs its schedule (hpctrain.train.pipeline)."""
-        return self.pipeline.train_step(self.dp, self.micro_batches(step), scaler=self.scaler,
+        needs the tokens, the last the targets, every stage the documents) and runs its
+        schedule (hpctrain.train.pipeline)."""
+        return self.pipeline.train_step(self.dp, micro, scaler=self.scaler,
                                         grad_clip=self.cfg.train.grad_clip)
 
     def memory_metrics(self) -> dict[str, int]:

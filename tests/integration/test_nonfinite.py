@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hpctrain import tasks
-from hpctrain.data.dataset import Sampler
+from hpctrain.data.dataset import Sampler, TokenDataset
 from hpctrain.errors import NonFiniteError
 from hpctrain.metrics.logger import read_jsonl
 from tests.conftest import ROOT, make_config
@@ -37,20 +37,18 @@ BLOW_UP = ["optim.lr=1e4", "train.grad_clip=0", "optim.warmup_steps=0"]  # step 
 def poisoned(data_step: int, *, global_batch: int, dp: int, micro_batch: int = 2,
              seed: int = 1234):
     """Every target of dp rank 0's first micro-batch of `data_step` (0-based) becomes -100."""
-    from hpctrain.train import trainer as trainer_mod
+    real = TokenDataset.rows
 
-    real = trainer_mod.batch
-
-    def batch(ds, indices):
-        inputs, targets = real(ds, indices)
+    def rows(ds, indices):
+        inputs, targets, docs = real(ds, indices)
         sampler = Sampler(ds.n_samples, seed=seed, global_batch=global_batch, dp=dp,
                           micro_batch=micro_batch)
         if (str(ds.tokens.filename).endswith("train.bin")
                 and indices == sampler.indices(data_step, dp_rank=0, micro=0)):
             targets = torch.full_like(targets, -100)
-        return inputs, targets
+        return inputs, targets, docs
 
-    with mock.patch.object(trainer_mod, "batch", batch):
+    with mock.patch.object(TokenDataset, "rows", rows):
         yield
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.data.zero import ShardedAdamW
@@ -83,11 +84,13 @@ class DataParallel:
         device = self.units[0].device
         multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (inputs_BL, targets_BL) in enumerate(micro_batches):
+        for i, micro in enumerate(micro_batches):
+            inputs_BL, targets_BL, docs = split_micro_batch(micro)
+            docs = None if docs is None else docs.to(device)
             overlap = i == n_micro - 1 and self.pre_reduce is None
             with self.reducer.no_sync() if not overlap else contextlib.nullcontext():
                 with autocast(precision, device):
-                    logits = self.model(inputs_BL.to(device))
+                    logits = self.model(inputs_BL.to(device), docs=docs)
                 loss = loss_fn(logits, targets_BL.to(device)) / n_micro
                 (loss * multiplier).backward()
             loss_sum += loss.detach().double()

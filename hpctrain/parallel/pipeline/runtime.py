@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hpctrain.distributed.comm import Outbox, message_tag, recv
 from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
+from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
 from hpctrain.parallel.pipeline.lowering import forward_only
@@ -40,7 +41,7 @@ from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.parallel.step import autocast
 
 K = ActionKind
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # inputs_BL, targets_BL
+MicroBatch = tuple  # inputs_BL, targets_BL[, docs] (ops.documents.split_micro_batch)
 
 
 @dataclass
@@ -152,13 +153,14 @@ class PipelineRuntime:
     # -- compute ---------------------------------------------------------------------------
     def _forward(self, st: _StepState, a: Action) -> None:
         stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
-        inputs_BL, targets_BL = st.micro_batches[a.microbatch]
+        inputs_BL, targets_BL, docs = split_micro_batch(st.micro_batches[a.microbatch])
+        docs = None if docs is None else docs.to(self.device)
         if stage.is_first:
             x = inputs_BL.to(self.device)
         else:
             x = st.mail.pop(("F", a.stage, a.microbatch)).requires_grad_()
         with autocast(self.precision, self.device):
-            out = stage(x, targets_BL.to(self.device) if stage.is_last else None)
+            out = stage(x, targets_BL.to(self.device) if stage.is_last else None, docs=docs)
         if stage.is_last:
             loss = out / self.schedule.n_microbatches if st.train else out
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)

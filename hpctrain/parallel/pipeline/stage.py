@@ -21,7 +21,8 @@ from torch import nn
 from hpctrain.distributed.mesh import group_size
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.init import full_init, init_weights
-from hpctrain.models.llama import Block
+from hpctrain.models.llama import Block, block_rope
+from hpctrain.ops.documents import Documents
 from hpctrain.ops.linear import Linear, WeightGradQueue
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.ops.rope import rope_tables
@@ -82,11 +83,14 @@ class PipelineStage(nn.Module):
             self._rope = (cos.to(device), sin.to(device))
         return self._rope
 
-    def forward(self, x: torch.Tensor, targets_BL: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets_BL: torch.Tensor | None = None, *,
+                docs: Documents | None = None) -> torch.Tensor:
+        """`docs`: the micro-batch's document boundaries, which every stage reads from the
+        micro-batch itself (all stages of a replica read the same one), so they need no p2p."""
         h_BLD = self.tok_embeddings(x) if self.is_first else x
-        rope = self.rope(h_BLD.device)
+        rope = block_rope(self.rope(h_BLD.device), docs)
         for block in self.layers.values():
-            h_BLD = block(h_BLD, rope)
+            h_BLD = block(h_BLD, rope, docs)
         if not self.is_last:
             return h_BLD
         logits_BLV = self.output(self.norm(h_BLD))

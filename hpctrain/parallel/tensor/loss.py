@@ -5,6 +5,8 @@ With m_t = max_V z_t (all-reduce MAX), S_t = Σ_V exp(z_t − m_t) and the targe
 z_t[y_t] (one all-reduce SUM of both; only the rank owning y_t contributes it):
     loss = mean_t (log S_t − (z_t[y_t] − m_t))
     ∂loss/∂z_t = (softmax(z_t) − onehot(y_t)) / T, computed locally on each rank's columns.
+Tokens whose target is IGNORE_INDEX (padding) are left out of the mean and get no gradient, as
+in F.cross_entropy; T counts the others.
 The computation is in fp32 (fp64 if the logits are fp64).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.ops.documents import IGNORE_INDEX
 from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size, all_reduce
 
 
@@ -32,17 +35,18 @@ class _VocabParallelCE(torch.autograd.Function):
         sums_2T = all_reduce(torch.stack([exp_Tv.sum(-1), target_T]), group=group,
                              counter=counter)
         sum_T, target_T = sums_2T[0], sums_2T[1]
-        loss = (torch.log(sum_T) - (target_T - m_T)).mean()
-        ctx.save_for_backward(exp_Tv, sum_T, local_T, mine_T)
+        valid_T = (targets_T != IGNORE_INDEX).to(dtype)
+        loss = ((torch.log(sum_T) - (target_T - m_T)) * valid_T).sum() / valid_T.sum()
+        ctx.save_for_backward(exp_Tv, sum_T, local_T, mine_T, valid_T)
         ctx.logits_dtype = logits_Tv.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        exp_Tv, sum_T, local_T, mine_T = ctx.saved_tensors
+        exp_Tv, sum_T, local_T, mine_T, valid_T = ctx.saved_tensors
         g_Tv = exp_Tv / sum_T.unsqueeze(-1)
         g_Tv.scatter_add_(-1, local_T.unsqueeze(-1), -mine_T.to(g_Tv.dtype).unsqueeze(-1))
-        g_Tv *= grad / g_Tv.shape[0]
+        g_Tv *= (grad / valid_T.sum()) * valid_T.unsqueeze(-1)
         return g_Tv.to(ctx.logits_dtype), None, None, None
 
 
