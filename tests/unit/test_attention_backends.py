@@ -95,6 +95,25 @@ def test_triton_fp32_and_a_small_head_dim():
     _compare("triton", "gqa2", "docs", torch.float32, 2e-5, head_dim=8)
 
 
+@needs_interpreter
+def test_model_with_triton_on_packed_documents_equals_eager_fp64():
+    """The debug model (head dim 8, padded inside the kernel) on rows packed with end-of-
+    document tokens: logits and every parameter gradient as with eager attention."""
+    from hpctrain.models import PRESETS, build_model
+
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens[0, [5, 6, 30]] = tokens[1, 40] = 256
+    docs = Documents.from_eod(tokens, eod=256)
+    runs = []
+    for backend in ("eager", "triton"):
+        model = build_model(PRESETS["debug"].with_(attention=backend), seed=0).double()
+        logits = model(tokens, docs=docs)
+        logits.logsumexp(-1).mean().backward()
+        runs.append([logits.detach(), *(p.grad for p in model.parameters())])
+    for got, want in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_tile_ranges_skip_invisible_tiles_and_unmask_fully_visible_ones():
     """Rows 0-2 doc 0, 3-9 doc 1, 10-11 doc 2; tiles of 4 rows and 2 keys (query side) and
     4 keys and 2 rows (key side). Query tile 2 (rows 8-11) spans docs 1 and 2: keys from 2
