@@ -225,8 +225,9 @@ def p2p_one_way(rank: int, act_shape, *, rounds: int = 50) -> float:
     runtime sends it on gloo: tagged isend to a receiver whose irecv is already posted
     (ping-pong RTT / 2)."""
     from hpctrain.distributed.comm import Outbox
+    from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
 
-    x, box, rtts = torch.zeros(act_shape), Outbox(), []
+    x, box, rtts = torch.zeros(act_shape), Outbox(timeout=DEFAULT_TIMEOUT), []
     peer = 1 - rank
     dist.barrier()
     for _ in range(rounds):
