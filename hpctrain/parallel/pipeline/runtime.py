@@ -88,6 +88,11 @@ class PipelineRuntime:
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
         self._eval_actions: dict[int, tuple[Action, ...]] = {}  # n microbatches → F path
+        # Only a schedule with split backwards (B, later W) defers weight gradients; the other
+        # stages' layers take torch's cheaper linear (hpctrain.ops.linear.linear).
+        for s, stage in local.stages.items():
+            stage.wgrad_queue.may_defer = any(a.kind is K.B and a.stage == s
+                                              for a in self.actions)
         # NCCL (batched) issues its p2p in order on the compute thread; gloo's go to the courier
         self._courier = None if batched else Courier(timeout=timeout)
 
