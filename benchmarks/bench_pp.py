@@ -4,7 +4,10 @@ Part 1, the real model: the same stages (same seed, same layer split, the torch 
 nn.Linear copy) and the same microbatches, run as
   hpctrain 1f1b / interleaved_1f1b (v=2) / zbv  (PipelineRuntime on the lowered schedule)
   torch    Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble  (PipelineStage)
-interleaved A B A B …, rotating the order each round. Step = schedule + AdamW. The measured
+interleaved A B A B …, rotating the order each round. Step = schedule + update: hpctrain's is
+the trainer's (the DataParallel engine: global norm over pp, its fused AdamW on flat fp32
+shards), torch's is `torch.optim.AdamW` (default implementation; the same hyper-parameters and
+decay groups). The measured
 bubble is hpctrain's definition for both: per rank 1 − (time in F/B/W compute) / (barrier →
 end of the schedule), max over ranks; the torch side's compute is timed by wrapping its stages'
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk.
@@ -30,38 +33,48 @@ import torch.distributed as dist
 from common import bench_config, median, spawn, to_nn_linear
 from torch import nn
 
+from hpctrain.config import OptimConfig
 from hpctrain.ops.linear import WeightGradQueue
+from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.parallel.pipeline.stage import PipelineStage, build_local_stages
+from hpctrain.train.optim import param_groups
 from hpctrain.train.pipeline import measured_bubble
+from hpctrain.train.scaler import LossScaler
 from hpctrain.train.step import lm_loss
 
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 1}  # name → virtual_stages argument
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
          "zbv": "ScheduleZBVZeroBubble"}
 
 
 # -- part 1: the real model ----------------------------------------------------------------------
 def hp_variant(name: str, cfg, rank: int, args):
+    """hpctrain's pipeline step as the trainer runs it: the schedule under the engine's
+    no_sync, then the one update path (DataParallel: global norm over pp, fused AdamW)."""
     sched = build_schedule(name, pp=2, microbatches=args.microbatches,
                            virtual_stages=SCHEDULES[name])
     local = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=[0, 1],
                               act_shape=(args.mb, args.seq, cfg.dim))
-    opt = torch.optim.AdamW(local.parameters(), lr=1e-3)
+    engine = DataParallel(local, group=None, zero=0, precision="fp32", optim=OPTIM,
+                          norm_groups=(dist.group.WORLD,))
+    scaler = LossScaler(enabled=False)
 
     def step(batch_BL):
-        opt.zero_grad(set_to_none=True)
         mbs = [(c[:, :-1], c[:, 1:]) for c in batch_BL.chunk(args.microbatches)]
         dist.barrier()
         start = time.perf_counter()
-        res = runtime.step(mbs, start=start)
+        with engine.reducer.no_sync():
+            res = runtime.step(mbs, start=start)
         span = time.perf_counter() - start
-        opt.step()
         loss = None if res.loss_sum is None else float(res.loss_sum)
+        engine.reduce_and_update(scaler=scaler, multiplier=1.0, grad_clip=0.0,
+                                 loss=None if res.loss_sum is None else res.loss_sum.reshape(()))
         return loss, res.timeline, span
 
     return step
@@ -101,7 +114,9 @@ def torch_variant(name: str, cfg, rank: int, args):
         stages.append(st)
     cls = getattr(pipelining, TORCH[name])
     sched = cls(stages[0] if name == "1f1b" else stages, args.microbatches, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = torch.optim.AdamW(param_groups([(str(i), p) for i, p in enumerate(params)],
+                                         OPTIM.weight_decay), lr=OPTIM.lr,
+                            betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
     holds = {"first": 0 in ids, "last": n_stages - 1 in ids}
 
     def step(batch_BL):
