@@ -7,17 +7,21 @@ nn.Linear copy) and the same microbatches, run as
 interleaved A B A B …, rotating the order each round. Step = schedule + update: hpctrain's is
 the trainer's (the DataParallel engine: global norm over pp, its fused AdamW on flat fp32
 shards), torch's is `torch.optim.AdamW` (default implementation; the same hyper-parameters and
-decay groups). The measured
-bubble is hpctrain's definition for both: per rank 1 − (time in F/B/W compute) / (barrier →
-end of the schedule), max over ranks; the torch side's compute is timed by wrapping its stages'
-forward_one_chunk / backward_one_chunk / backward_weight_one_chunk.
+decay groups). The headline ratio is paired: hp / torch of the same round, whose two steps
+ran back to back, median over rounds (on a shared host, load that drifts between rounds hits
+both sides of a pair alike). The measured bubble is hpctrain's definition for both: per
+rank 1 − (time in F/B/W compute) / (barrier → end of the schedule), max over ranks; the torch
+side's compute is timed by wrapping its stages' forward_one_chunk / backward_one_chunk /
+backward_weight_one_chunk.
 
 Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages whose F, B and W sleep
 t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like hpctrain's Linear), so the
 measured bubble is the schedule's, not CPU contention's; compared with simulate() twice: at the
 nominal costs with t_comm = 0, and at the costs the run really had (nominal + the measured
 overrun per sleep, t_comm = the measured one-way p2p latency), which separates what the
-runtime adds from what the stages and the transport cost. A 2-chunk schedule (interleaved,
+runtime adds from what the stages and the transport cost. The median and the minimum over the
+steps are both reported: CPU contention only ever adds idle time or overrun, so the minimum is
+the least disturbed step. A 2-chunk schedule (interleaved,
 zbv) gets half the per-chunk cost, so every schedule does the same work.
 
     python benchmarks/bench_pp.py --steps 10
@@ -312,6 +316,7 @@ def calibrated(rank: int, args) -> dict:
         sim = simulate(sched, t_f=t[0], t_b=t[1], t_w=t[2], t_comm=0.0)
         real = simulate(sched, t_f=t[0] + over, t_b=t[1] + over, t_w=t[2] + over, t_comm=t_comm)
         out[name] = {"bubble_measured": median(res[name]["bubble"]),
+                     "bubble_measured_min": min(res[name]["bubble"]),
                      "makespan_measured": median(res[name]["span"]),
                      "bubble_sim": sim.makespan_bubble_rate, "makespan_sim": sim.makespan,
                      "bubble_sim_real": real.makespan_bubble_rate,
@@ -328,6 +333,13 @@ def worker(rank: int, world: int, args) -> dict:
     return out
 
 
+def _paired(times: dict[str, list[float]], name: str) -> str:
+    """hp / torch of the same round (run back to back, order rotated), median (min–max):
+    load that changes between rounds hits both sides of a pair alike."""
+    r = sorted(a / b for a, b in zip(times["hp_" + name], times["pt_" + name], strict=True))
+    return f"**{median(r):.3f}** ({r[0]:.2f}–{r[-1]:.2f})"
+
+
 def report(res: dict, args) -> str:
     lines = []
     if "real" in res:
@@ -337,17 +349,19 @@ def report(res: dict, args) -> str:
                   f"{args.microbatches} microbatches of {args.mb} x {args.seq}; "
                   f"{args.steps} timed rounds after {args.warmup} warm-up", "",
                   "| schedule | impl | step-1 loss | median step (ms) | min | max | "
-                  "hp / torch | measured bubble (median) |", "|---|---|---|---|---|---|---|---|"]
+                  "hp / torch (medians) | paired per-round hp / torch: median (min–max) | "
+                  "measured bubble (median) |", "|---|---|---|---|---|---|---|---|---|"]
         for name in SCHEDULES:
             for impl in ("hp", "pt"):
                 k = f"{impl}_{name}"
                 if k not in med:
-                    lines.append(f"| {name} | {impl} | — | failed | | | | |")
+                    lines.append(f"| {name} | {impl} | — | failed | | | | | |")
                     continue
                 t, other = real["times_ms"][k], med.get("pt_" + name)
                 ratio = f"{med[k] / other:.3f}" if impl == "hp" and other else ""
+                paired = _paired(real["times_ms"], name) if impl == "hp" and other else ""
                 lines.append(f"| {name} | {impl} | {real['first_loss'][k]:.7f} | {med[k]:.1f} | "
-                             f"{min(t):.1f} | {max(t):.1f} | {ratio} | "
+                             f"{min(t):.1f} | {max(t):.1f} | {ratio} | {paired} | "
                              f"{median(real['bubbles'][k]):.3f} |")
         for k, e in real["errors"].items():
             lines += ["", f"{k} failed: {e}"]
@@ -357,14 +371,17 @@ def report(res: dict, args) -> str:
     lines += ["", f"calibrated sleep stages, pp=2, m={args.microbatches}, per-rank costs "
               f"t_f={args.t_f * 1e3:.0f} t_b={args.t_b * 1e3:.0f} t_w={args.t_w * 1e3:.0f} ms "
               f"(split over chunks); median of {args.sleep_steps} steps", "",
-              "| schedule | per-chunk t_f/t_b/t_w (ms) | measured bubble | simulated bubble | "
-              "measured / sim | overrun per sleep (ms) | t_comm (ms) | simulated at measured "
-              "costs | measured / sim | measured makespan (ms) | sim | sim at measured costs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| schedule | per-chunk t_f/t_b/t_w (ms) | measured bubble (median) | min | "
+              "simulated bubble | measured / sim (median) | min / sim | overrun per sleep (ms) | "
+              "t_comm (ms) | simulated at measured costs | measured / sim | measured makespan "
+              "(ms) | sim | sim at measured costs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cal.items():
         tms = "/".join(f"{x * 1e3:.0f}" for x in c["t"])
-        lines.append(f"| {name} | {tms} | {c['bubble_measured']:.4f} | {c['bubble_sim']:.4f} | "
+        lines.append(f"| {name} | {tms} | {c['bubble_measured']:.4f} | "
+                     f"{c['bubble_measured_min']:.4f} | {c['bubble_sim']:.4f} | "
                      f"{c['bubble_measured'] / c['bubble_sim']:.2f} | "
+                     f"{c['bubble_measured_min'] / c['bubble_sim']:.2f} | "
                      f"{c['overrun'] * 1e3:.3f} | {c['t_comm'] * 1e3:.3f} | "
                      f"{c['bubble_sim_real']:.4f} | "
                      f"{c['bubble_measured'] / c['bubble_sim_real']:.2f} | "
