@@ -169,18 +169,25 @@ def real_model(rank: int, args) -> dict:
         first[k] = next(x for x in both if x is not None)
     names = list(steps)
     times, bubbles = {k: [] for k in names}, {k: [] for k in names}
+    cpu = {k: [] for k in names}  # this process's CPU time (all its threads) per step
     for r in range(args.warmup + args.steps):
         for k in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _, timeline, span = steps[k](batch)
+            c1 = time.process_time()
             dist.barrier()
             if r >= args.warmup:
                 times[k].append(1e3 * (time.perf_counter() - t0))
+                cpu[k].append(1e3 * (c1 - c0))
                 bubbles[k].append(_bubble(timeline, span))
             else:
                 _bubble(timeline, span)  # keep the collective sequence identical
+    both = [None, None]
+    dist.all_gather_object(both, cpu)
+    cpu_ms = {k: [a + b for a, b in zip(both[0][k], both[1][k], strict=True)] for k in names}
     return {"first_loss": first, "times_ms": times, "bubbles": bubbles, "errors": errors,
+            "cpu_ms": cpu_ms,
             "n_params": cfg.num_params(), "cfg": repr(cfg)}
 
 
@@ -350,19 +357,21 @@ def report(res: dict, args) -> str:
                   f"{args.steps} timed rounds after {args.warmup} warm-up", "",
                   "| schedule | impl | step-1 loss | median step (ms) | min | max | "
                   "hp / torch (medians) | paired per-round hp / torch: median (min–max) | "
-                  "measured bubble (median) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "measured bubble (median) | CPU ms per step, both ranks (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name in SCHEDULES:
             for impl in ("hp", "pt"):
                 k = f"{impl}_{name}"
                 if k not in med:
-                    lines.append(f"| {name} | {impl} | — | failed | | | | | |")
+                    lines.append(f"| {name} | {impl} | — | failed | | | | | | |")
                     continue
                 t, other = real["times_ms"][k], med.get("pt_" + name)
                 ratio = f"{med[k] / other:.3f}" if impl == "hp" and other else ""
                 paired = _paired(real["times_ms"], name) if impl == "hp" and other else ""
                 lines.append(f"| {name} | {impl} | {real['first_loss'][k]:.7f} | {med[k]:.1f} | "
                              f"{min(t):.1f} | {max(t):.1f} | {ratio} | {paired} | "
-                             f"{median(real['bubbles'][k]):.3f} |")
+                             f"{median(real['bubbles'][k]):.3f} | "
+                             f"{median(real['cpu_ms'][k]):.0f} |")
         for k, e in real["errors"].items():
             lines += ["", f"{k} failed: {e}"]
         lines += ["", "raw step times (ms): " + "; ".join(
