@@ -14,17 +14,17 @@ rank 1 − (time in F/B/W compute) / (barrier → end of the schedule), max over
 side's compute is timed by wrapping its stages' forward_one_chunk / backward_one_chunk /
 backward_weight_one_chunk.
 
-Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages whose F, B and W sleep
-t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like hpctrain's Linear), so the
-measured bubble is the schedule's, not CPU contention's; compared with simulate() twice: at the
-nominal costs with t_comm = 0, and at the costs the run really had (nominal + the measured
-overrun per sleep, t_comm = the measured one-way p2p latency), which separates what the
-runtime adds from what the stages and the transport cost. The median and the minimum over the
-steps are both reported: CPU contention only ever adds idle time or overrun, so the minimum is
-the least disturbed step. A 2-chunk schedule (interleaved,
-zbv) gets half the per-chunk cost, so every schedule does the same work.
+Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages (sleep_stages.py)
+whose F, B and W sleep t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like
+hpctrain's Linear), so the measured bubble is the schedule's, not CPU contention's; compared
+with simulate() twice: at the nominal costs with t_comm = 0, and at the costs the run really
+had (nominal + the measured overrun per sleep, t_comm = the measured one-way p2p latency),
+which separates what the runtime adds from what the stages and the transport cost. The median
+and the minimum over the steps are both reported: CPU contention only ever adds idle time or
+overrun, so the minimum is the least disturbed step. A 2-chunk schedule (interleaved, zbv) gets
+half the per-chunk cost, so every schedule does the same work.
 
-    python benchmarks/bench_pp.py --steps 10
+    python benchmarks/bench_pp.py --steps 16 --warmup 2 --sleep-steps 10
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 from common import bench_config, median, spawn, to_nn_linear
-from torch import nn
+from sleep_stages import SleepLocal, SleepStage, p2p_one_way
 
 from hpctrain.config import OptimConfig
-from hpctrain.ops.linear import WeightGradQueue
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
@@ -192,88 +191,6 @@ def real_model(rank: int, args) -> dict:
 
 
 # -- part 2: calibrated sleep-based stages ---------------------------------------------------
-class _Sleep(torch.autograd.Function):
-    """y = x·w; forward sleeps t_f, backward sleeps t_b, the weight gradient sleeps t_w (now, or
-    later through `queue` when the stage defers, exactly as hpctrain's LinearFunction does)."""
-
-    @staticmethod
-    def forward(ctx, x, w, stage):
-        time.sleep(stage.t[0])
-        ctx.save_for_backward(x, w)
-        ctx.stage = stage
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        stage, queue = ctx.stage, ctx.stage.wgrad_queue
-        time.sleep(stage.t[1])
-
-        def weight_grad():
-            time.sleep(stage.t[2])
-            return (grad * x).sum().reshape(w.shape)
-
-        if queue.deferring:
-            def deferred():
-                gw = weight_grad()
-                w.grad = gw if w.grad is None else w.grad + gw
-
-            queue.put(deferred)
-            return grad * w, None, None
-        return grad * w, weight_grad(), None
-
-
-class SleepStage(nn.Module):
-    def __init__(self, stage: int, n_stages: int, t: tuple[float, float, float], act_shape):
-        super().__init__()
-        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.t, self.act_shape = t, act_shape
-        self.w = nn.Parameter(torch.ones(1))
-        self.wgrad_queue = WeightGradQueue()
-
-    def forward(self, x, targets=None):
-        if self.is_first:
-            x = x.float().reshape(-1, 1, 1).expand(self.act_shape).contiguous()
-        y = _Sleep.apply(x, self.w, self)
-        return y.mean() if self.is_last else y
-
-
-class SleepLocal(nn.Module):
-    def __init__(self, stages: dict[int, SleepStage]):
-        super().__init__()
-        self.stages = stages
-        for s, st in stages.items():
-            self.add_module(f"stage{s}", st)
-
-
-def p2p_one_way(rank: int, act_shape, *, rounds: int = 50) -> float:
-    """Median one-way latency (s) of one activation message between the two ranks, as the
-    runtime sends it on gloo: tagged isend to a receiver whose irecv is already posted
-    (ping-pong RTT / 2)."""
-    from hpctrain.distributed.comm import Outbox
-    from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
-
-    x, box, rtts = torch.zeros(act_shape), Outbox(timeout=DEFAULT_TIMEOUT), []
-    peer = 1 - rank
-    dist.barrier()
-    for _ in range(rounds):
-        buf = torch.empty(act_shape)
-        work = dist.irecv(buf, src=peer, tag=rank)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            box.send(x, dst=1, tag=1)
-            work.wait()
-        else:
-            work.wait()
-            box.send(x, dst=0, tag=0)
-        box.wait_all()
-        rtts.append(time.perf_counter() - t0)
-    lat = torch.tensor([median(rtts) / 2])
-    dist.broadcast(lat, src=0)  # rank 0's time is the full round trip
-    return float(lat)
-
-
 def overrun(timelines, t: tuple[float, float, float]) -> float:
     """Mean (measured − nominal) duration per sleep of the compute actions (both ranks): the
     stages' real cost beyond t_f/t_b/t_w (sleep overshoot, autograd, descheduling). A BW action
