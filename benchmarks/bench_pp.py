@@ -4,20 +4,27 @@ Part 1, the real model: the same stages (same seed, same layer split, the torch 
 nn.Linear copy) and the same microbatches, run as
   hpctrain 1f1b / interleaved_1f1b (v=2) / zbv  (PipelineRuntime on the lowered schedule)
   torch    Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble  (PipelineStage)
-interleaved A B A B …, rotating the order each round. Step = schedule + AdamW. The measured
-bubble is hpctrain's definition for both: per rank 1 − (time in F/B/W compute) / (barrier →
-end of the schedule), max over ranks; the torch side's compute is timed by wrapping its stages'
-forward_one_chunk / backward_one_chunk / backward_weight_one_chunk.
+interleaved A B A B …, rotating the order each round. Step = schedule + update: hpctrain's is
+the trainer's (the DataParallel engine: global norm over pp, its fused AdamW on flat fp32
+shards), torch's is `torch.optim.AdamW` (default implementation; the same hyper-parameters and
+decay groups). The headline ratio is paired: hp / torch of the same round, whose two steps
+ran back to back, median over rounds (on a shared host, load that drifts between rounds hits
+both sides of a pair alike). The measured bubble is hpctrain's definition for both: per
+rank 1 − (time in F/B/W compute) / (barrier → end of the schedule), max over ranks; the torch
+side's compute is timed by wrapping its stages' forward_one_chunk / backward_one_chunk /
+backward_weight_one_chunk.
 
-Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages whose F, B and W sleep
-t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like hpctrain's Linear), so the
-measured bubble is the schedule's, not CPU contention's; compared with simulate() twice: at the
-nominal costs with t_comm = 0, and at the costs the run really had (nominal + the measured
-overrun per sleep, t_comm = the measured one-way p2p latency), which separates what the
-runtime adds from what the stages and the transport cost. A 2-chunk schedule (interleaved,
-zbv) gets half the per-chunk cost, so every schedule does the same work.
+Part 2, calibrated compute: hpctrain's PipelineRuntime drives fake stages (sleep_stages.py)
+whose F, B and W sleep t_f, t_b, t_w (W deferred through the stage's WeightGradQueue, like
+hpctrain's Linear), so the measured bubble is the schedule's, not CPU contention's; compared
+with simulate() twice: at the nominal costs with t_comm = 0, and at the costs the run really
+had (nominal + the measured overrun per sleep, t_comm = the measured one-way p2p latency),
+which separates what the runtime adds from what the stages and the transport cost. The median
+and the minimum over the steps are both reported: CPU contention only ever adds idle time or
+overrun, so the minimum is the least disturbed step. A 2-chunk schedule (interleaved, zbv) gets
+half the per-chunk cost, so every schedule does the same work.
 
-    python benchmarks/bench_pp.py --steps 10
+    python benchmarks/bench_pp.py --steps 16 --warmup 2 --sleep-steps 10
 """
 
 from __future__ import annotations
@@ -28,40 +35,50 @@ import time
 import torch
 import torch.distributed as dist
 from common import bench_config, median, spawn, to_nn_linear
-from torch import nn
+from sleep_stages import SleepLocal, SleepStage, p2p_one_way
 
-from hpctrain.ops.linear import WeightGradQueue
+from hpctrain.config import OptimConfig
+from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.parallel.pipeline.stage import PipelineStage, build_local_stages
+from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import lm_loss
+from hpctrain.train.optim import param_groups
 from hpctrain.train.pipeline import measured_bubble
 
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 1}  # name → virtual_stages argument
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 TORCH = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
          "zbv": "ScheduleZBVZeroBubble"}
 
 
 # -- part 1: the real model ----------------------------------------------------------------------
 def hp_variant(name: str, cfg, rank: int, args):
+    """hpctrain's pipeline step as the trainer runs it: the schedule under the engine's
+    no_sync, then the one update path (DataParallel: global norm over pp, fused AdamW)."""
     sched = build_schedule(name, pp=2, microbatches=args.microbatches,
                            virtual_stages=SCHEDULES[name])
     local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=[0, 1],
                               act_shape=(args.mb, args.seq, cfg.dim))
-    opt = torch.optim.AdamW(local.parameters(), lr=1e-3)
+    alone = dist.new_group([rank], use_local_synchronization=True)  # dp=1: a one-rank group
+    engine = DataParallel(local, group=alone, zero=0, precision="fp32", optim=OPTIM,
+                          norm_groups=(dist.group.WORLD,))
+    scaler = LossScaler(enabled=False)
 
     def step(batch_BL):
-        opt.zero_grad(set_to_none=True)
         mbs = [(c[:, :-1], c[:, 1:]) for c in batch_BL.chunk(args.microbatches)]
         dist.barrier()
         start = time.perf_counter()
-        res = runtime.step(mbs, start=start)
+        with engine.reducer.no_sync():
+            res = runtime.step(mbs, start=start)
         span = time.perf_counter() - start
-        opt.step()
         loss = None if res.loss_sum is None else float(res.loss_sum)
+        engine.reduce_and_update(scaler=scaler, multiplier=1.0, grad_clip=0.0,
+                                 loss=None if res.loss_sum is None else res.loss_sum.reshape(()))
         return loss, res.timeline, span
 
     return step
@@ -101,7 +118,9 @@ def torch_variant(name: str, cfg, rank: int, args):
         stages.append(st)
     cls = getattr(pipelining, TORCH[name])
     sched = cls(stages[0] if name == "1f1b" else stages, args.microbatches, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = torch.optim.AdamW(param_groups([(str(i), p) for i, p in enumerate(params)],
+                                         OPTIM.weight_decay), lr=OPTIM.lr,
+                            betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
     holds = {"first": 0 in ids, "last": n_stages - 1 in ids}
 
     def step(batch_BL):
@@ -150,103 +169,29 @@ def real_model(rank: int, args) -> dict:
         first[k] = next(x for x in both if x is not None)
     names = list(steps)
     times, bubbles = {k: [] for k in names}, {k: [] for k in names}
+    cpu = {k: [] for k in names}  # this process's CPU time (all its threads) per step
     for r in range(args.warmup + args.steps):
         for k in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _, timeline, span = steps[k](batch)
+            c1 = time.process_time()
             dist.barrier()
             if r >= args.warmup:
                 times[k].append(1e3 * (time.perf_counter() - t0))
+                cpu[k].append(1e3 * (c1 - c0))
                 bubbles[k].append(_bubble(timeline, span))
             else:
                 _bubble(timeline, span)  # keep the collective sequence identical
+    both = [None, None]
+    dist.all_gather_object(both, cpu)
+    cpu_ms = {k: [a + b for a, b in zip(both[0][k], both[1][k], strict=True)] for k in names}
     return {"first_loss": first, "times_ms": times, "bubbles": bubbles, "errors": errors,
+            "cpu_ms": cpu_ms,
             "n_params": cfg.num_params(), "cfg": repr(cfg)}
 
 
 # -- part 2: calibrated sleep-based stages ---------------------------------------------------
-class _Sleep(torch.autograd.Function):
-    """y = x·w; forward sleeps t_f, backward sleeps t_b, the weight gradient sleeps t_w (now, or
-    later through `queue` when the stage defers, exactly as hpctrain's LinearFunction does)."""
-
-    @staticmethod
-    def forward(ctx, x, w, stage):
-        time.sleep(stage.t[0])
-        ctx.save_for_backward(x, w)
-        ctx.stage = stage
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        stage, queue = ctx.stage, ctx.stage.wgrad_queue
-        time.sleep(stage.t[1])
-
-        def weight_grad():
-            time.sleep(stage.t[2])
-            return (grad * x).sum().reshape(w.shape)
-
-        if queue.deferring:
-            def deferred():
-                gw = weight_grad()
-                w.grad = gw if w.grad is None else w.grad + gw
-
-            queue.put(deferred)
-            return grad * w, None, None
-        return grad * w, weight_grad(), None
-
-
-class SleepStage(nn.Module):
-    def __init__(self, stage: int, n_stages: int, t: tuple[float, float, float], act_shape):
-        super().__init__()
-        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.t, self.act_shape = t, act_shape
-        self.w = nn.Parameter(torch.ones(1))
-        self.wgrad_queue = WeightGradQueue()
-
-    def forward(self, x, targets=None):
-        if self.is_first:
-            x = x.float().reshape(-1, 1, 1).expand(self.act_shape).contiguous()
-        y = _Sleep.apply(x, self.w, self)
-        return y.mean() if self.is_last else y
-
-
-class SleepLocal(nn.Module):
-    def __init__(self, stages: dict[int, SleepStage]):
-        super().__init__()
-        self.stages = stages
-        for s, st in stages.items():
-            self.add_module(f"stage{s}", st)
-
-
-def p2p_one_way(rank: int, act_shape, *, rounds: int = 50) -> float:
-    """Median one-way latency (s) of one activation message between the two ranks, as the
-    runtime sends it on gloo: tagged isend to a receiver whose irecv is already posted
-    (ping-pong RTT / 2)."""
-    from hpctrain.distributed.comm import Outbox
-
-    x, box, rtts = torch.zeros(act_shape), Outbox(), []
-    peer = 1 - rank
-    dist.barrier()
-    for _ in range(rounds):
-        buf = torch.empty(act_shape)
-        work = dist.irecv(buf, src=peer, tag=rank)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            box.send(x, dst=1, tag=1)
-            work.wait()
-        else:
-            work.wait()
-            box.send(x, dst=0, tag=0)
-        box.wait_all()
-        rtts.append(time.perf_counter() - t0)
-    lat = torch.tensor([median(rtts) / 2])
-    dist.broadcast(lat, src=0)  # rank 0's time is the full round trip
-    return float(lat)
-
-
 def overrun(timelines, t: tuple[float, float, float]) -> float:
     """Mean (measured − nominal) duration per sleep of the compute actions (both ranks): the
     stages' real cost beyond t_f/t_b/t_w (sleep overshoot, autograd, descheduling). A BW action
@@ -296,6 +241,7 @@ def calibrated(rank: int, args) -> dict:
         sim = simulate(sched, t_f=t[0], t_b=t[1], t_w=t[2], t_comm=0.0)
         real = simulate(sched, t_f=t[0] + over, t_b=t[1] + over, t_w=t[2] + over, t_comm=t_comm)
         out[name] = {"bubble_measured": median(res[name]["bubble"]),
+                     "bubble_measured_min": min(res[name]["bubble"]),
                      "makespan_measured": median(res[name]["span"]),
                      "bubble_sim": sim.makespan_bubble_rate, "makespan_sim": sim.makespan,
                      "bubble_sim_real": real.makespan_bubble_rate,
@@ -312,6 +258,13 @@ def worker(rank: int, world: int, args) -> dict:
     return out
 
 
+def _paired(times: dict[str, list[float]], name: str) -> str:
+    """hp / torch of the same round (run back to back, order rotated), median (min–max):
+    load that changes between rounds hits both sides of a pair alike."""
+    r = sorted(a / b for a, b in zip(times["hp_" + name], times["pt_" + name], strict=True))
+    return f"**{median(r):.3f}** ({r[0]:.2f}–{r[-1]:.2f})"
+
+
 def report(res: dict, args) -> str:
     lines = []
     if "real" in res:
@@ -321,18 +274,22 @@ def report(res: dict, args) -> str:
                   f"{args.microbatches} microbatches of {args.mb} x {args.seq}; "
                   f"{args.steps} timed rounds after {args.warmup} warm-up", "",
                   "| schedule | impl | step-1 loss | median step (ms) | min | max | "
-                  "hp / torch | measured bubble (median) |", "|---|---|---|---|---|---|---|---|"]
+                  "hp / torch (medians) | paired per-round hp / torch: median (min–max) | "
+                  "measured bubble (median) | CPU ms per step, both ranks (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name in SCHEDULES:
             for impl in ("hp", "pt"):
                 k = f"{impl}_{name}"
                 if k not in med:
-                    lines.append(f"| {name} | {impl} | — | failed | | | | |")
+                    lines.append(f"| {name} | {impl} | — | failed | | | | | | |")
                     continue
                 t, other = real["times_ms"][k], med.get("pt_" + name)
                 ratio = f"{med[k] / other:.3f}" if impl == "hp" and other else ""
+                paired = _paired(real["times_ms"], name) if impl == "hp" and other else ""
                 lines.append(f"| {name} | {impl} | {real['first_loss'][k]:.7f} | {med[k]:.1f} | "
-                             f"{min(t):.1f} | {max(t):.1f} | {ratio} | "
-                             f"{median(real['bubbles'][k]):.3f} |")
+                             f"{min(t):.1f} | {max(t):.1f} | {ratio} | {paired} | "
+                             f"{median(real['bubbles'][k]):.3f} | "
+                             f"{median(real['cpu_ms'][k]):.0f} |")
         for k, e in real["errors"].items():
             lines += ["", f"{k} failed: {e}"]
         lines += ["", "raw step times (ms): " + "; ".join(
@@ -341,14 +298,17 @@ def report(res: dict, args) -> str:
     lines += ["", f"calibrated sleep stages, pp=2, m={args.microbatches}, per-rank costs "
               f"t_f={args.t_f * 1e3:.0f} t_b={args.t_b * 1e3:.0f} t_w={args.t_w * 1e3:.0f} ms "
               f"(split over chunks); median of {args.sleep_steps} steps", "",
-              "| schedule | per-chunk t_f/t_b/t_w (ms) | measured bubble | simulated bubble | "
-              "measured / sim | overrun per sleep (ms) | t_comm (ms) | simulated at measured "
-              "costs | measured / sim | measured makespan (ms) | sim | sim at measured costs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| schedule | per-chunk t_f/t_b/t_w (ms) | measured bubble (median) | min | "
+              "simulated bubble | measured / sim (median) | min / sim | overrun per sleep (ms) | "
+              "t_comm (ms) | simulated at measured costs | measured / sim | measured makespan "
+              "(ms) | sim | sim at measured costs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cal.items():
         tms = "/".join(f"{x * 1e3:.0f}" for x in c["t"])
-        lines.append(f"| {name} | {tms} | {c['bubble_measured']:.4f} | {c['bubble_sim']:.4f} | "
+        lines.append(f"| {name} | {tms} | {c['bubble_measured']:.4f} | "
+                     f"{c['bubble_measured_min']:.4f} | {c['bubble_sim']:.4f} | "
                      f"{c['bubble_measured'] / c['bubble_sim']:.2f} | "
+                     f"{c['bubble_measured_min'] / c['bubble_sim']:.2f} | "
                      f"{c['overrun'] * 1e3:.3f} | {c['t_comm'] * 1e3:.3f} | "
                      f"{c['bubble_sim_real']:.4f} | "
                      f"{c['bubble_measured'] / c['bubble_sim_real']:.2f} | "

@@ -26,3 +26,49 @@ def test_queue_runs_per_tag_and_matches_plain_backward():
     assert queue.run_all() == 1
     torch.testing.assert_close(lin.weight.grad, want)
     assert not lin.weight.grad.requires_grad  # deferred closures run outside autograd
+
+
+def _grads(fn, x, lin):
+    lin.weight.grad = None
+    x = x.detach().requires_grad_()
+    y = fn(x)
+    y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape))
+    return y.grad_fn, x.grad, lin.weight.grad
+
+
+def test_linear_takes_torchs_node_unless_a_queue_may_defer():
+    """Without a deferring queue the layer uses torch's linear (cheaper autograd node) and
+    gives LinearFunction's gradients; a queue that may defer keeps LinearFunction."""
+    from hpctrain.ops.linear import LinearFunction
+
+    torch.manual_seed(0)
+    lin = Linear(5, 3).double()
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    node, gx, gw = _grads(lin, x, lin)
+    _, want_x, want_w = _grads(lambda t: LinearFunction.apply(t, lin.weight, None, None), x, lin)
+    assert "LinearFunction" not in node.name()
+    torch.testing.assert_close(gx, want_x, rtol=1e-12, atol=0)
+    torch.testing.assert_close(gw, want_w, rtol=1e-12, atol=0)
+    lin.wgrad_queue = WeightGradQueue()
+    assert "LinearFunction" in _grads(lin, x, lin)[0].name()
+    lin.wgrad_queue.may_defer = False
+    assert "LinearFunction" not in _grads(lin, x, lin)[0].name()
+
+
+def test_runtime_lets_only_split_backward_stages_defer():
+    """The pipeline runtime marks a stage's queue `may_defer` only when its action list has B
+    actions (zero-bubble schedules); 1F1B's stages take torch's linear."""
+    from hpctrain.models.config import ModelConfig
+    from hpctrain.parallel.pipeline.lowering import lower_comm
+    from hpctrain.parallel.pipeline.runtime import PipelineRuntime
+    from hpctrain.parallel.pipeline.schedules import build_schedule
+    from hpctrain.parallel.pipeline.stage import build_local_stages
+
+    cfg = ModelConfig(name="debug", vocab_size=32, dim=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                      ffn_dim=16, max_seq_len=4, attention="eager")
+    for name, want in (("1f1b", False), ("zb_h1", True)):
+        schedule = build_schedule(name, pp=2, microbatches=2, virtual_stages=1)
+        local = build_local_stages(cfg, schedule.stages_of(0), n_stages=2, seed=0)
+        PipelineRuntime(lower_comm(schedule), local, pp_rank=0, peers=[0, 1],
+                        act_shape=(1, 4, 8))
+        assert [s.wgrad_queue.may_defer for s in local.stages.values()] == [want], name

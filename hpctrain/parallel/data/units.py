@@ -21,6 +21,24 @@ from hpctrain.distributed.mesh import group_size
 from hpctrain.parallel.data.layout import ShardLayout
 
 
+def _broadcasts(group) -> bool:
+    """Gather shards as one broadcast per owner on gloo: measured on 2 CPU ranks for 26 MB,
+    two async broadcasts took 11 ms where one all_gather_into_tensor took 22–31 ms (and an
+    all-reduce of the same buffer 21 ms); NCCL keeps its all-gather."""
+    return dist.get_backend(group) == "gloo"
+
+
+class Works:
+    """Several collectives waited as one (the per-owner broadcasts of a gather)."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
@@ -78,24 +96,40 @@ class FlatUnit:
         for p in self.params:
             p.data = _empty(self.dtype, self.device)
 
-    def gather_async(self, group) -> dist.Work | None:
+    def gather_async(self, group) -> dist.Work | Works | None:
         """ZeRO-3: allocate `full` and start all-gathering the shards into it."""
         self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         if group_size(group) == 1:
             self.full.copy_(self.shard)
             return None
-        return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
+        if not _broadcasts(group):
+            return dist.all_gather_single(self.full, self.shard, group=group, async_op=True)
+        self._slot(self.full, self.shard_rank).copy_(self.shard)
+        return self._broadcast_slots(group, async_op=True)
 
-    def all_gather_params(self, group, *, async_op: bool = False) -> dist.Work | None:
+    def all_gather_params(self, group, *, async_op: bool = False) -> dist.Work | Works | None:
         """zero 1/2: every rank's updated shard into `full` (in place, views stay valid).
 
         The input is this rank's own slot of the output (`shard` is a view of `full`): the
         in-place form NCCL documents, and gloo handles it too (checked for 2-4 ranks), so no
-        shard-sized copy is made per unit and step.
+        shard-sized copy is made per unit and step. On gloo, one broadcast per owner instead
+        (`_broadcasts` says why).
         """
         if self.layout.n_shards == 1 or group_size(group) == 1:
             return None
+        if _broadcasts(group):
+            return self._broadcast_slots(group, async_op=async_op)
         return dist.all_gather_single(self.full, self.shard, group=group, async_op=async_op)
+
+    def _slot(self, buf: torch.Tensor, r: int) -> torch.Tensor:
+        lo, hi = self.layout.shard_range(r)
+        return buf[lo:hi]
+
+    def _broadcast_slots(self, group, *, async_op: bool) -> Works | None:
+        """full[slot r] ← rank r's slot, for every rank r of `group`, in the same order on all."""
+        works = [dist.broadcast(self._slot(self.full, r), group=group, group_src=r,
+                                async_op=async_op) for r in range(self.layout.n_shards)]
+        return Works(works) if async_op else None
 
     # -- gradients -----------------------------------------------------------------------------
     def bind_grads(self) -> None:

@@ -2,8 +2,8 @@
 
 Legend: B batch, L sequence, l = L/tp, D model dim (in), O output features, p = tp degree,
 V vocabulary, v = V/p. Weights are `out × in` as in hpctrain.ops.linear.Linear, and every local
-matmul goes through `LinearFunction` so a zero-bubble pipeline can defer its weight gradient
-through `wgrad_queue`.
+matmul goes through `hpctrain.ops.linear.linear` so a zero-bubble pipeline can defer its weight
+gradient through `wgrad_queue`.
 
 Column-parallel: Y = X A with A split by columns (our weight rows): rank r holds A_r and
 computes Y_r = X A_r, its slice of the output features. Row-parallel: A split by rows (our
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.ops.linear import LinearFunction, WeightGradQueue
+from hpctrain.ops.linear import WeightGradQueue, linear
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.parallel.tensor.comm import (
     CommCounter,
@@ -83,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(x, self.entry, self.group, self.counter)
-        y = LinearFunction.apply(x, self.weight, self.bias, self.wgrad_queue)
+        y = linear(x, self.weight, self.bias, queue=self.wgrad_queue)
         return gather_last(y, group=self.group, counter=self.counter) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -111,7 +111,7 @@ class RowParallelLinear(nn.Module):
         return cls(cols.contiguous(), b, group=group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = LinearFunction.apply(x, self.weight, None, self.wgrad_queue)
+        y = linear(x, self.weight, queue=self.wgrad_queue)
         if self.exit == "reduce":
             y = reduce_from_tp(y, group=self.group, counter=self.counter)
         else:

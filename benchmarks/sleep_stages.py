@@ -1,0 +1,99 @@
+"""Calibrated sleep-based pipeline stages for bench_pp part 2, and the one-way p2p latency.
+
+A `SleepStage` computes y = x·w with an autograd function that sleeps t_f in forward, t_b in
+backward and t_w in the weight gradient (deferred through the stage's WeightGradQueue on B
+actions, exactly as hpctrain's Linear does), so a schedule's measured bubble is the schedule's
+and the runtime's, not CPU contention's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from common import median
+from torch import nn
+
+from hpctrain.distributed.comm import Outbox
+from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
+from hpctrain.ops.linear import WeightGradQueue
+
+
+class _Sleep(torch.autograd.Function):
+    """y = x·w; forward sleeps t_f, backward sleeps t_b, the weight gradient sleeps t_w (now, or
+    later through `queue` when the stage defers, exactly as hpctrain's LinearFunction does)."""
+
+    @staticmethod
+    def forward(ctx, x, w, stage):
+        time.sleep(stage.t[0])
+        ctx.save_for_backward(x, w)
+        ctx.stage = stage
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        stage, queue = ctx.stage, ctx.stage.wgrad_queue
+        time.sleep(stage.t[1])
+
+        def weight_grad():
+            time.sleep(stage.t[2])
+            return (grad * x).sum().reshape(w.shape)
+
+        if queue.deferring:
+            def deferred():
+                gw = weight_grad()
+                w.grad = gw if w.grad is None else w.grad + gw
+
+            queue.put(deferred)
+            return grad * w, None, None
+        return grad * w, weight_grad(), None
+
+
+class SleepStage(nn.Module):
+    def __init__(self, stage: int, n_stages: int, t: tuple[float, float, float], act_shape):
+        super().__init__()
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.t, self.act_shape = t, act_shape
+        self.w = nn.Parameter(torch.ones(1))
+        self.wgrad_queue = WeightGradQueue()
+
+    def forward(self, x, targets=None):
+        if self.is_first:
+            x = x.float().reshape(-1, 1, 1).expand(self.act_shape).contiguous()
+        y = _Sleep.apply(x, self.w, self)
+        return y.mean() if self.is_last else y
+
+
+class SleepLocal(nn.Module):
+    def __init__(self, stages: dict[int, SleepStage]):
+        super().__init__()
+        self.stages = stages
+        for s, st in stages.items():
+            self.add_module(f"stage{s}", st)
+
+
+def p2p_one_way(rank: int, act_shape, *, rounds: int = 50) -> float:
+    """Median one-way latency (s) of one activation message between the two ranks, as the
+    runtime sends it on gloo: tagged isend to a receiver whose irecv is already posted
+    (ping-pong RTT / 2)."""
+    x, box, rtts = torch.zeros(act_shape), Outbox(timeout=DEFAULT_TIMEOUT), []
+    peer = 1 - rank
+    dist.barrier()
+    for _ in range(rounds):
+        buf = torch.empty(act_shape)
+        work = dist.irecv(buf, src=peer, tag=rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            box.send(x, dst=1, tag=1)
+            work.wait()
+        else:
+            work.wait()
+            box.send(x, dst=0, tag=0)
+        box.wait_all()
+        rtts.append(time.perf_counter() - t0)
+    lat = torch.tensor([median(rtts) / 2])
+    dist.broadcast(lat, src=0)  # rank 0's time is the full round trip
+    return float(lat)
