@@ -1,10 +1,18 @@
-"""The pieces every step shares: the loss, autocast, a dp mean, the step's result, eval.
+"""The pieces every step shares: the loss, its weights, autocast, a dp mean, the result, eval.
 
 The step itself is the data-parallel engine's for every layout (hpctrain.parallel.data.engine:
 micro-batch loop or pipeline schedule → one reducer → one global norm → clip → AdamW). Loss
-scaling is explicit: each micro-batch's loss is the mean over its tokens divided by the number
-of micro-batches, and gradients are averaged over data-parallel ranks, so the update equals
-that of the mean loss over the whole global batch on one process.
+scaling is explicit and weighted by real tokens (targets not IGNORE_INDEX): the step's loss is
+    loss = Σ CE over every real token of the global batch / N,  N = real tokens of the batch,
+what one process computing one mean over the whole concatenated batch gives, however the
+padding falls. Micro-batch i of a rank, mean_i over its n_i real tokens, contributes
+mean_i / d_i with d_i = N / (dp · n_i) (`loss_divisors`), and gradients are averaged over dp:
+(1/dp) Σ_ranks Σ_i mean_i · dp · n_i / N = Σ CE / N. Without padding every n_i is B·L and d_i is
+exactly m, the number of micro-batches: the plain mean of means, bit for bit as before.
+
+N comes from one all-reduce over dp of the local count (16 bytes), not from the sampler: the
+count is then right for any loader (training, eval, tests), and the parallel layer need not know
+the data layer's row tables; the collective is negligible next to a step.
 """
 
 from __future__ import annotations
@@ -17,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain.distributed.mesh import group_size
-from hpctrain.ops.documents import split_micro_batch
+from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.ops.documents import IGNORE_INDEX, split_micro_batch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,9 +43,34 @@ def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
 
 
+def loss_divisors(micro_batches, *, dp_group, device: torch.device) -> list[float]:
+    """d_i for each of this rank's micro-batches: its mean loss / d_i, summed over the
+    micro-batches and averaged over `dp_group`, is the mean over every real token of the global
+    batch (see the module docstring). d_i = N / (dp · n_i); one all-reduce over dp of
+    [Σ n_i, empty micro-batches] on `device` (none on a one-rank group).
+
+    Raises ValueError on every rank when any micro-batch of the dp group has no real token
+    (its mean is 0/0): the batching must put at least one real target in each."""
+    counts = [int((split_micro_batch(m)[1] != IGNORE_INDEX).sum()) for m in micro_batches]
+    local = [sum(counts), sum(n == 0 for n in counts)]
+    total = torch.tensor(local, dtype=torch.int64)
+    dp = group_size(dp_group)
+    if dp > 1:
+        total = total.to(device)
+        dist.all_reduce(total, group=dp_group)
+    n_real, n_empty = (int(v) for v in total.tolist())
+    if n_empty:
+        raise ValueError(
+            f"{n_empty} micro-batch(es) over the dp group ({local[1]} on dp rank "
+            f"{group_rank(dp_group)}) have no real token: every target is IGNORE_INDEX, so "
+            f"their mean loss is undefined: give every micro-batch at least one real target "
+            f"(train.batching=tokens rows always hold one; check the loader's padding)")
+    return [n_real / (dp * n) for n in counts]
+
+
 @dataclass
 class StepResult:
-    loss: float  # mean over the global batch (NaN on pipeline ranks that hold no loss)
+    loss: float  # mean over the global batch's real tokens (NaN on ranks holding no loss)
     grad_norm: float
     skipped: bool  # fp16 overflow: loss scale lowered, no update
     nonfinite: str | None = None  # "loss", "grad norm", "loss and grad norm": no update either
@@ -61,13 +94,16 @@ def allreduce_mean(tensors: Iterable[torch.Tensor], group) -> None:
 @torch.no_grad()
 def eval_loss(model: torch.nn.Module, batches, *, precision: str, dp_group,
               loss_fn: Callable = lm_loss) -> float:
-    losses = []
+    """Mean loss over every real token of `batches` on all dp ranks (weighted as the train
+    step is: `loss_divisors`), the same float on every rank."""
+    batches = list(batches)
     device = next(model.parameters()).device
-    for micro in batches:
+    divisors = loss_divisors(batches, dp_group=dp_group, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for micro, divisor in zip(batches, divisors, strict=True):
         inputs_BL, targets_BL, docs = split_micro_batch(micro)
         with autocast(precision, device):
             logits = model(inputs_BL.to(device), docs=None if docs is None else docs.to(device))
-        losses.append(loss_fn(logits, targets_BL.to(device)).double())
-    mean = torch.stack(losses).mean()
-    allreduce_mean([mean], dp_group)
-    return float(mean)
+        total += loss_fn(logits, targets_BL.to(device)).double() / divisor
+    allreduce_mean([total], dp_group)
+    return float(total)

@@ -6,7 +6,8 @@ AdamW, ZeRO 0-2). With parallel.tp > 1 the stages are tensor-parallel
 and the norm of the unsharded model. The schedule runs under the engine reducer's no_sync, so
 no dp collective interleaves with the pipeline's p2p: the reduction runs after the schedule.
 
-Loss scaling is the same as the plain step: each microbatch's mean loss / m on the last stage,
+Loss scaling is the same as the plain step: each microbatch's mean loss / d_i on the last stage,
+weighted by its real tokens (hpctrain.parallel.step `loss_divisors`; d_i = m without padding),
 gradients averaged over dp. Clipping uses the global norm: squared norms of each rank's stage
 parameters are summed over the pp group. The loss (and eval loss, computed by the runtime's
 forward-only path) is known on the rank holding the last stage — the last pp rank, or pp rank 0
@@ -46,7 +47,7 @@ from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.scaler import LossScaler
-from hpctrain.parallel.step import StepResult, allreduce_mean
+from hpctrain.parallel.step import StepResult, allreduce_mean, loss_divisors
 
 Timeline = list[tuple[float, float, Any]]
 
@@ -99,8 +100,11 @@ class PipelineEngine:
         start = time.perf_counter()
         # The engine's bucket hooks must not issue dp collectives between the schedule's p2p
         # messages: gradients only accumulate during the schedule, reduction comes after.
+        micro_batches = list(micro_batches)
+        divisors = loss_divisors(micro_batches, dp_group=self.mesh.group("dp"),
+                                 device=self.mesh.device)
         with engine.reducer.no_sync():
-            result = self.runtime.step(list(micro_batches), start=start)
+            result = self.runtime.step(micro_batches, start=start, divisors=divisors)
         span = time.perf_counter() - start
         self.last_timeline = result.timeline
         loss = (result.loss_sum.to(torch.float64).reshape(()) if result.loss_sum is not None
@@ -132,13 +136,15 @@ class PipelineEngine:
                 "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
 
     def eval_loss(self, batches) -> float:
-        """Mean loss over `batches`, forward only through the schedule's own F path
-        (`PipelineRuntime.evaluate`), in chunks of at most m microbatches; the value is shared
-        from the last stage's rank to its pp group (`last_stage_value`), then averaged over dp."""
+        """Mean loss over every real token of `batches` on all dp ranks, forward only through
+        the schedule's own F path (`PipelineRuntime.evaluate`), in chunks of at most m
+        microbatches, weighted as the train step (`loss_divisors`); the value is shared from
+        the last stage's rank to its pp group (`last_stage_value`), then averaged over dp."""
         batches, m = list(batches), self.schedule.n_microbatches
-        parts = [self.runtime.evaluate(batches[i:i + m]) for i in range(0, len(batches), m)]
-        return self._reported(torch.stack(parts).sum() / len(batches) if self.holds_loss
-                              else None)
+        d = loss_divisors(batches, dp_group=self.mesh.group("dp"), device=self.mesh.device)
+        parts = [self.runtime.evaluate(batches[i:i + m], divisors=d[i:i + m])
+                 for i in range(0, len(batches), m)]
+        return self._reported(torch.stack(parts).sum() if self.holds_loss else None)
 
     def _reported(self, value: torch.Tensor | None) -> float:
         """A last-stage value (None on other ranks) → the same float on every rank of the

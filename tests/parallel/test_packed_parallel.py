@@ -2,9 +2,16 @@
 every gradient slice of the single-process model on the same packed, padded micro-batches
 (fp64, 1e-12). That reference equals each document run alone (tests/unit/test_packed_model.py),
 so the parallel runs do too. The documents travel in the micro-batch (ops.documents), which
-every tp rank and every pipeline stage of a replica reads."""
+every tp rank and every pipeline stage of a replica reads.
+
+The reference is one process computing one mean over every real token of the whole global
+batch, concatenated: the micro-batches hold very different numbers of real tokens, so a mean of
+per-micro-batch means (the old scaling) fails these tests; the runs weight each micro-batch by
+its real tokens (parallel.step.loss_divisors), in the runtime and in the engine's train_step."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -16,17 +23,21 @@ from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
+from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
-from hpctrain.parallel.step import allreduce_mean, lm_loss
+from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.step import allreduce_mean, eval_loss, loss_divisors
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
+from hpctrain.train.tensor_parallel import engine_axes
+from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.threed_reference import expected_slice
 
 SEED, MB, SEQ, M = 11, 2, 12, 2
@@ -39,7 +50,9 @@ def _cfg(attention: str = "sdpa") -> ModelConfig:
 
 
 def packed_micro_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, Documents]]:
-    """n micro-batches of MB rows, each row several documents (one of length 1) and padding."""
+    """n micro-batches of MB rows, each row several documents (one of length 1) and padding
+    at its end: 0..SEQ-1 tokens in row 0, 0..SEQ/2 in row 1, so real tokens per micro-batch
+    vary widely (every one keeps at least one)."""
     gen = torch.Generator().manual_seed(SEED)
     out = []
     for _ in range(n):
@@ -49,26 +62,40 @@ def packed_micro_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, Docum
         for b in range(MB):
             cuts = sorted(torch.randperm(SEQ - 2, generator=gen)[:3].add(1).tolist())
             ids[b] = torch.bucketize(torch.arange(SEQ), torch.tensor(cuts), right=True)
-        pad = int(torch.randint(0, 4, (), generator=gen))
-        targets[0, SEQ - pad:] = IGNORE_INDEX
-        ids[0, SEQ - pad:] = ids[0, SEQ - pad - 1] + 1
+        for b, most in enumerate((SEQ - 1, SEQ // 2)):
+            pad = int(torch.randint(0, most + 1, (), generator=gen))
+            targets[b, SEQ - pad:] = IGNORE_INDEX
+            ids[b, SEQ - pad:] = ids[b, SEQ - pad - 1] + 1
         out.append((inputs, targets, Documents.from_ids(ids)))
     return out
 
 
-def reference(cfg: ModelConfig, micro, *, loss_fn):
-    """(mean loss, gradients by name) of the single-process model over all micro-batches."""
+def reference(cfg: ModelConfig, micro):
+    """(loss, gradients by name) of one fp64 process over the whole global batch at once: the
+    micro-batches concatenated, one mean over all their real tokens."""
     model = build_model(cfg, seed=SEED).double()
-    total = 0.0
-    for inputs, targets, docs in micro:
-        loss = loss_fn(model(inputs, docs=docs), targets) / len(micro)
-        loss.backward()
-        total += float(loss)
-    return total, {n: p.grad for n, p in model.named_parameters()}
+    inputs, targets, docs = zip(*micro, strict=True)
+    docs = Documents(ids_BL=torch.cat([d.ids_BL for d in docs]),
+                     positions_BL=torch.cat([d.positions_BL for d in docs]))
+    loss = _ce64(model(torch.cat(inputs), docs=docs), torch.cat(targets))
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
 
 def _ce64(logits_BLV, targets_BL):
     return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+
+
+def _compare(grads, mesh, cfg, micro, losses) -> dict[str, float]:
+    """|run − reference| of each of `losses` (name → dp-mean loss, None: not held here) and of
+    each gradient (complete over tp, averaged over dp) against this rank's reference slice."""
+    ref_loss, ref_grads = reference(cfg, micro)
+    errs = {k: abs(float(v) - ref_loss) for k, v in losses.items() if v is not None}
+    tp, tp_rank = mesh.dims.tp, mesh.coord("tp")
+    for n, g in grads.items():
+        want = expected_slice(n, ref_grads[n], cfg, tp=tp, tp_rank=tp_rank)
+        errs[n] = float((g - want).abs().max())
+    return errs
 
 
 def _errors(named, mesh, cfg, micro, loss, *, plan) -> dict[str, float]:
@@ -76,18 +103,19 @@ def _errors(named, mesh, cfg, micro, loss, *, plan) -> dict[str, float]:
     if plan is not None:
         sync_tp_grads(params, plan)
     allreduce_mean([p.grad for p in params], mesh.group("dp"))
-    # The same loss as the run: lm_loss (fp32, as the trainer) on one tp rank, fp64 under tp.
-    ref_loss, ref_grads = reference(cfg, micro, loss_fn=lm_loss if plan is None else _ce64)
-    errs = {}
-    if loss is not None:
+    if loss is not None:  # as the engine reports it: the dp mean of the weighted sums
         loss = loss.reshape(1).clone()
         allreduce_mean([loss], mesh.group("dp"))
-        errs["loss"] = abs(float(loss) - ref_loss)
-    tp, tp_rank = mesh.dims.tp, mesh.coord("tp")
-    for n, p in named:
-        want = expected_slice(n, ref_grads[n], cfg, tp=tp, tp_rank=tp_rank)
-        errs[n] = float((p.grad - want).abs().max())
-    return errs
+    return _compare({n: p.grad for n, p in named}, mesh, cfg, micro, {"loss": loss})
+
+
+def _mine(mesh, micro) -> list:
+    d = mesh.coord("dp")
+    return micro[d * M:(d + 1) * M]
+
+
+def _divisors(mesh, mine) -> list[float]:
+    return loss_divisors(mine, dp_group=mesh.group("dp"), device=torch.device("cpu"))
 
 
 def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool, attention: str = "sdpa"
@@ -102,13 +130,16 @@ def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool, attention: str = "sdpa"
                                          n_stages=schedule.n_stages, seed=SEED,
                                          tp_group=mesh.group("tp"), sp=sp)
         local.double()
+        for stage in local.stages.values():
+            if stage.is_last and plan is None:  # fp64 (lm_loss casts to fp32)
+                stage.loss_fn = _ce64
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=mesh.coord("pp"),
                                   peers=dims.group_ranks("pp", mesh.rank),
                                   act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
                                                             dim=cfg.dim, tp=tp, sp=sp))
         micro = packed_micro_batches(dp * M)
-        d = mesh.coord("dp")
-        result = runtime.step(micro[d * M:(d + 1) * M])
+        mine = _mine(mesh, micro)
+        result = runtime.step(mine, divisors=_divisors(mesh, mine))
         return _errors(list(local.named_parameters()), mesh, cfg, micro, result.loss_sum,
                        plan=plan)
     finally:
@@ -124,13 +155,48 @@ def run_tensor_data(dp: int, tp: int, *, sp: bool) -> dict[str, float]:
         model = build_model(cfg, seed=SEED).double()
         plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, seed=SEED, cfg=cfg)
         micro = packed_micro_batches(dp * M)
-        d, loss = mesh.coord("dp"), torch.zeros((), dtype=torch.float64)
-        for inputs, targets, docs in micro[d * M:(d + 1) * M]:
+        mine, loss = _mine(mesh, micro), torch.zeros((), dtype=torch.float64)
+        for (inputs, targets, docs), divisor in zip(mine, _divisors(mesh, mine), strict=True):
             logits = model(inputs, docs=docs)
-            part = vocab_parallel_cross_entropy(logits, targets, group=plan.group) / M
+            part = vocab_parallel_cross_entropy(logits, targets, group=plan.group) / divisor
             part.backward()
             loss += part.detach()
         return _errors(list(model.named_parameters()), mesh, cfg, micro, loss, plan=plan)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def run_engine(dp: int, tp: int, *, sp: bool) -> dict[str, float]:
+    """The data-parallel engine's own train_step over dp × M accumulated micro-batches (the
+    whole model, tp-sharded with the vocab-parallel loss when tp > 1), and eval_loss on the
+    same batch: the step's reported loss, the gradients its update uses (read as the optimizer
+    starts) and the eval loss, each against the reference."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        dims, cfg = ParallelDims(dp=dp, tp=tp), _cfg()
+        mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+        model = build_model(cfg, seed=SEED).double()
+        plan, loss_fn = None, _ce64
+        if tp > 1:
+            plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, seed=SEED, cfg=cfg)
+            loss_fn = functools.partial(vocab_parallel_cross_entropy, group=plan.group)
+        engine = DataParallel(model, group=mesh.group("dp"), zero=0, precision="fp32",
+                              optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
+        micro = packed_micro_batches(dp * M)
+        mine = _mine(mesh, micro)
+        evaluated = eval_loss(model, mine, precision="fp32", dp_group=mesh.group("dp"),
+                              loss_fn=loss_fn)
+        grads, update = {}, engine.optimizer.step
+
+        def spy(**kw):  # the reduced gradients, before the update zeroes them
+            grads.update({n: u._view(u.grad_full, i).clone()
+                          for u in engine.units for i, n in enumerate(u.names)})
+            return update(**kw)
+
+        engine.optimizer.step = spy
+        result = engine.train_step(mine, n_micro=M, precision="fp32", grad_clip=0.0,
+                                   scaler=LossScaler(enabled=False), loss_fn=loss_fn)
+        return _compare(grads, mesh, cfg, micro, {"loss": result.loss, "eval": evaluated})
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -155,3 +221,24 @@ def test_pp2_dp2_packed_matches_single_process(world4, attention):
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp2_dp2_packed_matches_single_process(world4, sp):
     _check(world4.run(run_tensor_data, 2, 2, sp=sp))
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)])
+def test_engine_step_and_eval_weight_real_tokens(world4, dp, tp):
+    results = world4.run(run_engine, dp, tp, sp=tp > 1)
+    assert all({"loss", "eval"} <= set(e) for e in results)
+    _check(results)
+
+
+def test_divisors_without_padding_are_the_microbatch_count():
+    """No padding: d_i = m exactly (the old mean of means, bit for bit); with padding the
+    divisors weight by real tokens; a micro-batch with none is refused, naming the fix."""
+    x = torch.zeros(2, 5, dtype=torch.long)
+    assert loss_divisors([(x, x)] * 3, dp_group=None, device=torch.device("cpu")) == [3.0] * 3
+    padded = x.clone()
+    padded[0, 1:] = IGNORE_INDEX  # 6 real tokens of 10
+    got = loss_divisors([(x, x), (x, padded)], dp_group=None, device=torch.device("cpu"))
+    assert got == [16 / 10, 16 / 6]
+    with pytest.raises(ValueError, match="no real token.*at least one real target"):
+        loss_divisors([(x, torch.full_like(x, IGNORE_INDEX))], dp_group=None,
+                      device=torch.device("cpu"))

@@ -2,6 +2,8 @@
 
 One object per rank owns the units (flat buffers), the GradReducer, the ShardedAdamW and, for
 zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
+each micro-batch's mean loss is weighted by its real tokens (hpctrain.parallel.step
+`loss_divisors`: the step's loss is the mean over every real token of the global batch),
 micro-batches run under `reducer.no_sync()` except the last of the accumulation window, then
 the reduction is finished explicitly, the loss is averaged over dp, overflow is agreed by all
 ranks (fp16), and the sharded optimizer clips by the global norm and updates — unless the loss
@@ -39,7 +41,13 @@ from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
 from hpctrain.parallel.memory import storage_bytes
 from hpctrain.parallel.scaler import LossScaler
-from hpctrain.parallel.step import StepResult, allreduce_mean, autocast, lm_loss
+from hpctrain.parallel.step import (
+    StepResult,
+    allreduce_mean,
+    autocast,
+    lm_loss,
+    loss_divisors,
+)
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,14 +92,16 @@ class DataParallel:
         device = self.units[0].device
         multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, micro in enumerate(micro_batches):
+        micro_batches = list(micro_batches)
+        divisors = loss_divisors(micro_batches, dp_group=self.group, device=device)
+        for i, (micro, divisor) in enumerate(zip(micro_batches, divisors, strict=True)):
             inputs_BL, targets_BL, docs = split_micro_batch(micro)
             docs = None if docs is None else docs.to(device)
             overlap = i == n_micro - 1 and self.pre_reduce is None
             with self.reducer.no_sync() if not overlap else contextlib.nullcontext():
                 with autocast(precision, device):
                     logits = self.model(inputs_BL.to(device), docs=docs)
-                loss = loss_fn(logits, targets_BL.to(device)) / n_micro
+                loss = loss_fn(logits, targets_BL.to(device)) / divisor
                 (loss * multiplier).backward()
             loss_sum += loss.detach().double()
         return self.reduce_and_update(scaler=scaler, multiplier=multiplier,

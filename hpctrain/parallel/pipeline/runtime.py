@@ -4,8 +4,10 @@ The order, the split of the backward and the placement of sends and receives all
 (lowered) `Schedule`; the runtime makes no scheduling decision. Per action:
 
   F(s, i)       stage s forward of microbatch i; stashes its input (a grad-requiring leaf) and
-                output. The last stage computes loss_i / m (m microbatches), so the summed loss
-                and the gradients are those of the mean loss over the whole batch.
+                output. The last stage computes loss_i / d_i: d_i = m (m microbatches) by
+                default, or the caller's real-token weights (hpctrain.parallel.step
+                `loss_divisors`), so the summed loss and the gradients are those of the mean
+                loss over the whole batch's real tokens.
   B(s, i)       backward of the stash with the stage's WeightGradQueue deferring under tag i:
                 only input gradients (and the non-Linear parameters') are computed now.
   W(s, i)       runs the queued weight gradients of microbatch i.
@@ -47,7 +49,7 @@ MicroBatch = tuple  # inputs_BL, targets_BL[, docs] (ops.documents.split_micro_b
 
 @dataclass
 class PipelineResult:
-    loss_sum: torch.Tensor | None  # Σ_i loss_i / m in fp64 on the last stage's rank, else None
+    loss_sum: torch.Tensor | None  # Σ_i loss_i / d_i in fp64 on the last stage's rank, else None
     timeline: list[tuple[float, float, Action]] = field(default_factory=list)  # compute, seconds
 
 
@@ -67,7 +69,8 @@ class _StepState:
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
     posted: dict = field(default_factory=dict)  # message key → (irecv work, buffer), gloo path
     posting: Job | None = None  # the courier's job posting this step's irecvs → `posted`
-    train: bool = True  # False: forward only (evaluate), nothing stashed, loss_i unscaled
+    divisors: Sequence[float] = ()  # d_i: the last stage's loss_i / d_i
+    train: bool = True  # False: forward only (evaluate), nothing stashed
     loss_sum: torch.Tensor | None = None
     timeline: list = field(default_factory=list)
 
@@ -112,23 +115,27 @@ class PipelineRuntime:
         receive buffer of another dtype than the sender's tensor corrupts the message."""
         return self._param.dtype
 
-    def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None
-             ) -> PipelineResult:
+    def step(self, micro_batches: Sequence[MicroBatch], *, start: float | None = None,
+             divisors: Sequence[float] | None = None) -> PipelineResult:
         """Execute this rank's actions for one batch of m microbatches; gradients accumulate
-        into the stage parameters' `.grad`. Times are relative to `start` (default: now)."""
+        into the stage parameters' `.grad`. Times are relative to `start` (default: now).
+        Microbatch i's loss is divided by `divisors[i]` (default m for each)."""
         m = self.schedule.n_microbatches
         if len(micro_batches) != m:
             raise ValueError(f"schedule {self.schedule.name!r} has {m} microbatches but "
                              f"{len(micro_batches)} were given: pass exactly {m}")
         st = _StepState(micro_batches, time.perf_counter() if start is None else start,
-                        Outbox(timeout=self.timeout, courier=self._courier))
+                        Outbox(timeout=self.timeout, courier=self._courier),
+                        divisors=divisors or [m] * m)
         self._run(st, self._train_program)
         return PipelineResult(st.loss_sum, st.timeline)
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
-        """Σ_i loss_i (fp64) over 1..m `micro_batches`, forward only, on the last stage's rank
-        (None elsewhere): the F actions of this rank's lowered list and their sends/receives
+    def evaluate(self, micro_batches: Sequence[MicroBatch], *,
+                 divisors: Sequence[float] | None = None) -> torch.Tensor | None:
+        """Σ_i loss_i / divisors[i] (fp64; default divisors 1) over 1..m `micro_batches`,
+        forward only, on the last stage's rank (None elsewhere): the F actions of this rank's
+        lowered list and their sends/receives
         (`lowering.forward_only`), in the schedule's order; nothing is stashed. The forward-only
         list runs unbatched: each pair's sends and receives are in the same (microbatch) order,
         which NCCL's order-matched p2p needs."""
@@ -139,7 +146,8 @@ class PipelineRuntime:
         if n not in self._eval_programs:
             self._eval_programs[n] = self._compile(forward_only(self.actions, microbatches=n))
         st = _StepState(micro_batches, time.perf_counter(),
-                        Outbox(timeout=self.timeout, courier=self._courier), train=False)
+                        Outbox(timeout=self.timeout, courier=self._courier),
+                        divisors=divisors or [1] * n, train=False)
         self._run(st, self._eval_programs[n])
         return st.loss_sum
 
@@ -189,7 +197,7 @@ class PipelineRuntime:
         with autocast(self.precision, self.device):
             out = stage(x, targets_BL.to(self.device) if stage.is_last else None, docs=docs)
         if stage.is_last:
-            loss = out / self.schedule.n_microbatches if st.train else out
+            loss = out / st.divisors[a.microbatch]
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)
             out = loss * self.loss_multiplier
         else:

@@ -6,7 +6,8 @@ z_t[y_t] (one all-reduce SUM of both; only the rank owning y_t contributes it):
     loss = mean_t (log S_t − (z_t[y_t] − m_t))
     ∂loss/∂z_t = (softmax(z_t) − onehot(y_t)) / T, computed locally on each rank's columns.
 Tokens whose target is IGNORE_INDEX (padding) are left out of the mean and get no gradient, as
-in F.cross_entropy; T counts the others.
+in F.cross_entropy; T counts the others. The step weights this per-micro-batch mean by its real
+tokens (hpctrain.parallel.step.loss_divisors), as it does lm_loss.
 The computation is in fp32 (fp64 if the logits are fp64).
 """
 
