@@ -1,0 +1,34 @@
+"""Context parallelism applied to a model from outside, by module name (like the tp plan):
+every `layers.<i>.attn.core` becomes a RingAttentionCore over the cp group. The rest of the
+model runs unchanged on the zigzag shard: RoPE reads the shard's full-row positions from its
+ShardDocuments, and every other op is per token.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hpctrain.parallel.context.ring import RingComm, ring_attention
+
+
+class RingAttentionCore(nn.Module):
+    """Drop-in for models.llama.AttentionCore under cp > 1 (no parameters)."""
+
+    def __init__(self, comm: RingComm, *, backend: str):
+        super().__init__()
+        # The per-block math is eager with log-sum-exp for every backend (exact in fp64);
+        # `backend` is kept so the layout reads the same as the single-process model.
+        self.comm, self.backend = comm, backend
+
+    def forward(self, q_BNSH, k_BKSH, v_BKSH, docs=None):
+        return ring_attention(q_BNSH, k_BKSH, v_BKSH, docs, comm=self.comm)
+
+
+def apply_context_parallel(model: nn.Module, comm: RingComm) -> nn.Module:
+    """Replace every attention core of `model` (in place) by ring attention over `comm`;
+    returns `model`. A cp group of one rank leaves the model as it is."""
+    if comm.size == 1:
+        return model
+    for block in model.layers:
+        block.attn.core = RingAttentionCore(comm, backend=block.attn.core.backend)
+    return model

@@ -1,0 +1,71 @@
+"""Rank-side functions of the context-parallel tests (module level: pickled by reference)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain.models import ModelConfig, build_model
+from hpctrain.ops.documents import Documents
+from hpctrain.parallel.context.apply import apply_context_parallel
+from hpctrain.parallel.context.ring import RingComm
+from hpctrain.parallel.context.shard import shard_micro_batch
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def tiny_cfg(attention: str) -> ModelConfig:
+    return ModelConfig(name="cp", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_dim=64, max_seq_len=64, attention=attention)
+
+
+def batch(L: int, *, documents: bool):
+    g = torch.Generator().manual_seed(7)
+    tokens_BL = torch.randint(0, 64, (2, L + 1), generator=g)
+    docs = None
+    if documents:  # documents of uneven lengths, one crossing every chunk boundary
+        ids_BL = torch.zeros(2, L, dtype=torch.long)
+        for b, cuts in enumerate(((3, 11, 12, 29), (L // 2 + 1,))):
+            for c in cuts:
+                ids_BL[b, c:] += 1
+        docs = Documents.from_ids(ids_BL)
+    return tokens_BL[:, :-1], tokens_BL[:, 1:], docs
+
+
+def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
+    """fp64: the loss and every gradient of the model under cp (the world as one cp group)
+    against the single process; returns the largest differences and the blocks computed."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = tiny_cfg(attention)
+        ref = build_model(cfg, seed=3).double()
+        inputs_BL, targets_BL, docs = batch(L, documents=documents)
+        logits = ref(inputs_BL, docs=docs)
+        loss_ref = F.cross_entropy(logits.flatten(0, 1), targets_BL.flatten())
+        loss_ref.backward()
+        comm = RingComm(dist.group.WORLD, timeout=TIMEOUT)
+        model = apply_context_parallel(copy.deepcopy(ref), comm)
+        model.zero_grad(set_to_none=True)
+        inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
+                                            cp=comm.size)
+        out = model(inp, docs=sdocs)
+        # the row's mean: this shard's sum over the row's token count, summed over cp
+        loss = F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="sum")
+        loss = loss / targets_BL.numel()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        grad_err = 0.0
+        for (_, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(),
+                                         strict=True):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            grad_err = max(grad_err, float((g - p_ref.grad).abs().max()))
+        return {"loss_err": abs(float(total - loss_ref)), "grad_err": grad_err,
+                "blocks": comm.blocks, "bytes": comm.bytes_sent}
+    finally:
+        torch.set_default_dtype(torch.float32)
