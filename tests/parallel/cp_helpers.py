@@ -69,3 +69,13 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
                 "blocks": comm.blocks, "bytes": comm.bytes_sent}
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
+    """The real Trainer (fp32, 4 steps, eval every 2); per step loss, grad norm, eval loss and
+    the cp bytes this rank sent."""
+    from tests.parallel.trainer_runs import STEPS, run_trainer
+
+    trainer = run_trainer(["train.eval_every=2", *overrides], run_dir, steps=STEPS)
+    keys = ("loss", "grad_norm", "eval_loss", "comm_cp_bytes")
+    return [{k: h.get(k) for k in keys} for h in trainer.history]

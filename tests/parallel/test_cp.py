@@ -24,3 +24,47 @@ def test_zigzag_balances_the_blocks_each_rank_computes(world4):
     """Without documents every cp rank computes 2·cp + 1 chunk blocks per layer."""
     blocks = [r["blocks"] for r in world4.run(h.cp_equals_single, "eager", False)]
     assert blocks == [2 * (2 * 4 + 1)] * 4  # 2 layers
+
+
+def _same_trajectory(got: list[dict], want: list[dict], *, eval_rows: bool = True) -> None:
+    """fp32: losses (and eval losses) to 1e-5, grad norms to 1e-4, relative. Eval losses
+    only with `eval_rows` (dp = 1: the single process's eval reads the same rows)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+        assert (g["eval_loss"] is None) == (w["eval_loss"] is None)
+        if eval_rows and w["eval_loss"] is not None:
+            assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    from tests.conftest import get_world
+
+    return get_world(1).run(h.train_cp, [], str(tmp_path_factory.mktemp("single")))[0]
+
+
+def test_cp2_trainer_matches_single_process(world2, tmp_path, single):
+    runs = world2.run(h.train_cp, ["parallel.cp=2"], str(tmp_path / "cp2"))
+    _same_trajectory(runs[0], single)
+    assert all(s["comm_cp_bytes"] > 0 for s in runs[0])
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_cp2_dp2_zero_trainer_matches_single_process(world4, tmp_path, single, zero):
+    runs = world4.run(h.train_cp, ["parallel.cp=2", "parallel.dp=2", f"parallel.zero={zero}"],
+                      str(tmp_path / f"cp2dp2z{zero}"))
+    _same_trajectory(runs[0], single, eval_rows=False)
+
+
+def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):
+    from hpctrain.train import checkpoint as ckpt
+    from tests.conftest import get_world
+
+    saved = tmp_path / "saved"
+    world2.run(h.train_cp, ["parallel.cp=2", "train.stop_after=2"], str(saved))
+    path = ckpt.latest_complete(saved)
+    assert path is not None and path.name.endswith("00000002")
+    runs = get_world(1).run(h.train_cp, [f"train.resume={path}"], str(tmp_path / "resumed"))
+    _same_trajectory(runs[0], single[2:])
