@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hpctrain.models import ModelConfig, build_model
 from hpctrain.ops.documents import Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
-from hpctrain.parallel.context.ring import RingComm
+from hpctrain.parallel.context.ring import RingComm, ring_bytes
 from hpctrain.parallel.context.shard import shard_micro_batch
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -78,4 +78,10 @@ def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
 
     trainer = run_trainer(["train.eval_every=2", *overrides], run_dir, steps=STEPS)
     keys = ("loss", "grad_norm", "eval_loss", "comm_cp_bytes")
-    return [{k: h.get(k) for k in keys} for h in trainer.history]
+    cfg = trainer.cfg
+    expected = cfg.grad_accum * cfg.model.n_layers * ring_bytes(
+        batch=cfg.train.micro_batch_size, kv_heads=cfg.model.n_kv_heads,
+        shard_len=cfg.train.seq_len // cfg.parallel.cp, head_dim=cfg.model.head_dim,
+        elem_bytes=4, cp=cfg.parallel.cp)
+    return [{**{k: h.get(k) for k in keys}, "expected_cp_bytes": expected}
+            for h in trainer.history]

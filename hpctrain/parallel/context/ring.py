@@ -26,6 +26,16 @@ from hpctrain.parallel.context.shard import ShardDocuments, chunk_ids
 FORWARD_TAG, BACKWARD_KV_TAG, BACKWARD_GRAD_TAG = 1, 2, 3
 
 
+def ring_bytes(*, batch: int, kv_heads: int, shard_len: int, head_dim: int, elem_bytes: int,
+               cp: int) -> int:
+    """Bytes one rank sends per attention layer for one forward + backward of a micro-batch:
+    a key/value shard is 2·B·K·S·H elements; forward sends it cp−1 times, backward sends it
+    cp−1 times and its dk/dv accumulator (same size) cp times: (3·cp − 2) shards."""
+    if cp == 1:
+        return 0
+    return (3 * cp - 2) * 2 * batch * kv_heads * shard_len * head_dim * elem_bytes
+
+
 class RingComm:
     """The cp group's ring: neighbours, the timeout, and counters (computed blocks, bytes
     sent) that the work-balance test and the `comm_cp_bytes` metric read."""
