@@ -35,7 +35,8 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
         plan = setup_tensor_parallel(model, cfg, mesh)
-        cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout)
+        cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
+                           backend=cfg.model.attention)
         apply_context_parallel(model, cp_comm)  # attention over the cp ring (cp > 1)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         model.to(mesh.device)

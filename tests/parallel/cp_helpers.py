@@ -47,7 +47,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
         logits = ref(inputs_BL, docs=docs)
         loss_ref = F.cross_entropy(logits.flatten(0, 1), targets_BL.flatten())
         loss_ref.backward()
-        comm = RingComm(dist.group.WORLD, timeout=TIMEOUT)
+        comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
         model = apply_context_parallel(copy.deepcopy(ref), comm)
         model.zero_grad(set_to_none=True)
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,

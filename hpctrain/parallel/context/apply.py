@@ -16,8 +16,8 @@ class RingAttentionCore(nn.Module):
 
     def __init__(self, comm: RingComm, *, backend: str):
         super().__init__()
-        # The per-block math is eager with log-sum-exp for every backend (exact in fp64);
-        # `backend` is kept so the layout reads the same as the single-process model.
+        # The per-block forward follows `comm.backend` (RingComm): sdpa's fused CPU kernel or
+        # eager math, both with log-sum-exp; `backend` names the model's choice.
         self.comm, self.backend = comm, backend
 
     def forward(self, q_BNSH, k_BKSH, v_BKSH, docs=None):

@@ -6,7 +6,8 @@ results over key blocks merge exactly (the online-softmax rule):
   lse = logaddexp(lse₁, lse₂),  o = o₁·exp(lse₁ − lse) + o₂·exp(lse₂ − lse).
 Backward of a block, given the row's final lse and D = rowsum(dO ⊙ O) (FlashAttention-2):
   p = exp(s − lse), dv = pᵀ dO, ds = p ⊙ (dO vᵀ − D), dq = ds k/√H, dk = dsᵀ q/√H.
-The math is eager in the input dtype (fp64 in the exactness tests), for every backend.
+The math is eager in the input dtype (fp64 in the exactness tests); the sdpa backend's
+forward block is torch's fused CPU kernel (sdpa_lse.py), checked against this one.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.parallel.context.blocks import block_backward, block_forward, merge
+from hpctrain.parallel.context.sdpa_lse import sdpa_block_forward
 from hpctrain.parallel.context.shard import ShardDocuments, chunk_ids
 
 FORWARD_TAG, BACKWARD_KV_TAG, BACKWARD_GRAD_TAG = 1, 2, 3
@@ -40,8 +41,12 @@ class RingComm:
     """The cp group's ring: neighbours, the timeout, and counters (computed blocks, bytes
     sent) that the work-balance test and the `comm_cp_bytes` metric read."""
 
-    def __init__(self, group: dist.ProcessGroup, *, timeout: datetime.timedelta):
+    def __init__(self, group: dist.ProcessGroup, *, timeout: datetime.timedelta,
+                 backend: str = "eager"):
         self.group, self.timeout = group, timeout
+        # The per-block forward: torch's fused CPU kernel for sdpa, eager math otherwise
+        # (the backward is the eager block_backward for both: it needs only the final lse).
+        self.block_forward = sdpa_block_forward if backend == "sdpa" else block_forward
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
@@ -97,7 +102,7 @@ def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
                 if mask is None:
                     continue
                 comm.blocks += 1
-                part = block_forward(q[x], k[y], v[y], mask)
+                part = comm.block_forward(q[x], k[y], v[y], mask)
                 acc[x] = part if acc[x] is None else merge(*acc[x], *part)
         if pending is not None:
             kv_2BKSH = pending()
