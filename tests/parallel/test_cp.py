@@ -67,6 +67,13 @@ def test_cp2_dp2_zero_trainer_matches_single_process(world4, tmp_path, single, z
     _same_trajectory(runs[0], single, eval_rows=False)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_cp2_tp2_trainer_matches_single_process(world4, tmp_path, single, sp):
+    runs = world4.run(h.train_cp, ["parallel.cp=2", "parallel.tp=2", f"parallel.sp={sp}"],
+                      str(tmp_path / f"cp2tp2sp{sp}"))
+    _same_trajectory(runs[0], single)
+
+
 def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):
     from hpctrain.train import checkpoint as ckpt
     from tests.conftest import get_world
