@@ -27,10 +27,6 @@ def check_cp(c: Config) -> list[str]:
     if p.cp_comm != "ring":
         errs.append(f"parallel.cp_comm={p.cp_comm!r} is not implemented yet in this version of "
                     "hpctrain: use parallel.cp_comm=ring")
-    todo = {"parallel.pp": p.pp}
-    errs += [f"parallel.cp={p.cp} with {key}={value} is not implemented yet in this version of "
-             f"hpctrain: set {key}=1 (cp composes with dp, ZeRO 0-3 and tp/sp so far)"
-             for key, value in todo.items() if value > 1]
     if c.train.activation_checkpointing != "none":
         errs.append(f"parallel.cp={p.cp} with train.activation_checkpointing="
                     f"{c.train.activation_checkpointing} is not implemented yet: set "

@@ -29,9 +29,8 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     if (pipeline is None) != (cfg.parallel.pp == 1):
         raise ValueError(f"parallel.pp={cfg.parallel.pp} needs a pipeline engine exactly "
                          "when pp > 1: build PipelineEngine(cfg, mesh) and pass it")
-    cp_comm = None
-    if pipeline is not None:
-        model, plan = pipeline.local, pipeline.tp_plan  # this rank's stages, full names
+    if pipeline is not None:  # stages built, tp-sharded and given ring attention there
+        model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
         plan = setup_tensor_parallel(model, cfg, mesh)

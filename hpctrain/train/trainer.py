@@ -172,6 +172,7 @@ class Trainer:
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
         needs the tokens, the last the targets, every stage the documents) and runs its
         schedule (hpctrain.train.pipeline)."""
+        micro = list(shard_batches(micro, group=self.mesh.group("cp")))
         return self.pipeline.train_step(self.dp, micro, scaler=self.scaler,
                                         grad_clip=self.cfg.train.grad_clip)
 
@@ -277,11 +278,11 @@ class Trainer:
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            batches = shard_batches(self.eval_batches(), group=self.mesh.group("cp"))
             metrics["eval_loss"] = (
-                self.pipeline.eval_loss(self.eval_batches()) if self.pipeline is not None else
-                eval_loss(self.model, shard_batches(self.eval_batches(),
-                                                    group=self.mesh.group("cp")),
-                          precision=t.precision, dp_group=self.mesh.dp_cp, **self.tp_hooks))
+                self.pipeline.eval_loss(batches) if self.pipeline is not None else
+                eval_loss(self.model, batches, precision=t.precision, dp_group=self.mesh.dp_cp,
+                          **self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()

@@ -10,10 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.models import ModelConfig, build_model
-from hpctrain.ops.documents import Documents
+from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, ring_bytes
 from hpctrain.parallel.context.shard import shard_micro_batch
+from hpctrain.parallel.context.step import cp_loss_fn
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -33,7 +34,15 @@ def batch(L: int, *, documents: bool):
             for c in cuts:
                 ids_BL[b, c:] += 1
         docs = Documents.from_ids(ids_BL)
-    return tokens_BL[:, :-1], tokens_BL[:, 1:], docs
+    targets_BL = tokens_BL[:, 1:].clone()
+    if documents:  # padding, unevenly over the shards: the loss must still be the rows' mean
+        targets_BL[0, L - 12:] = IGNORE_INDEX
+    return tokens_BL[:, :-1], targets_BL, docs
+
+
+def ce64(logits_BLV, targets_BL):
+    """Mean cross entropy in the logits' dtype (lm_loss computes in fp32)."""
+    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
 
 
 def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
@@ -45,7 +54,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
         ref = build_model(cfg, seed=3).double()
         inputs_BL, targets_BL, docs = batch(L, documents=documents)
         logits = ref(inputs_BL, docs=docs)
-        loss_ref = F.cross_entropy(logits.flatten(0, 1), targets_BL.flatten())
+        loss_ref = ce64(logits, targets_BL)
         loss_ref.backward()
         comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
         model = apply_context_parallel(copy.deepcopy(ref), comm)
@@ -53,17 +62,18 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
                                             cp=comm.size)
         out = model(inp, docs=sdocs)
-        # the row's mean: this shard's sum over the row's token count, summed over cp
-        loss = F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="sum")
-        loss = loss / targets_BL.numel()
+        # the engine's view: each rank's cp loss, losses and gradients averaged over cp
+        loss = cp_loss_fn(dist.group.WORLD, base=ce64)(out, tgt)
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
+        total /= comm.size
         grad_err = 0.0
         for (_, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(),
                                          strict=True):
             g = p.grad.clone()
             dist.all_reduce(g)
+            g /= comm.size
             grad_err = max(grad_err, float((g - p_ref.grad).abs().max()))
         return {"loss_err": abs(float(total - loss_ref)), "grad_err": grad_err,
                 "blocks": comm.blocks, "bytes": comm.bytes_sent}

@@ -1,9 +1,10 @@
 """Context parallelism (parallel.cp): ring attention over zigzag shards equals one process.
 
-fp64 (1e-12): cp ∈ {2, 4}, loss and every gradient, with and without documents, eager and
-sdpa per-block forwards. Zigzag balance: equal computed blocks per rank. Trainer (fp32):
-cp=2 and cp=2 × dp=2 with ZeRO-1/3 trajectories, resume cp=2 → cp=1, comm_cp_bytes equal to
-the analytical ring volume.
+fp64 (1e-12): cp ∈ {2, 4}, loss and every gradient, with and without documents (and then
+padding targets spread unevenly over the shards), eager and sdpa per-block forwards. Zigzag
+balance: equal computed blocks per rank. Trainer (fp32): cp=2, cp=2 × dp=2 with ZeRO-1/3,
+cp=2 × tp=2 (± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1, and
+comm_cp_bytes equal to the analytical ring volume.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def test_cp2_tp2_trainer_matches_single_process(world4, tmp_path, single, sp):
     runs = world4.run(h.train_cp, ["parallel.cp=2", "parallel.tp=2", f"parallel.sp={sp}"],
                       str(tmp_path / f"cp2tp2sp{sp}"))
     _same_trajectory(runs[0], single)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_cp2_pp2_trainer_matches_single_process(world4, tmp_path, single, schedule):
+    runs = world4.run(h.train_cp, ["parallel.cp=2", "parallel.pp=2",
+                                   f"parallel.schedule={schedule}"], str(tmp_path / schedule))
+    _same_trajectory(next(r for r in runs if r[0]["loss"] == r[0]["loss"]), single)
 
 
 def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):

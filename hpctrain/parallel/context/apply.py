@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from hpctrain.parallel.context.ring import RingComm, ring_attention
+from hpctrain.parallel.context.step import cp_loss_fn
 
 
 class RingAttentionCore(nn.Module):
@@ -29,6 +30,17 @@ def apply_context_parallel(model: nn.Module, comm: RingComm) -> nn.Module:
     returns `model`. A cp group of one rank leaves the model as it is."""
     if comm.size == 1:
         return model
-    for block in model.layers:
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:  # a ModuleList (whole model) or ModuleDict (a rank's pipeline stages)
         block.attn.core = RingAttentionCore(comm, backend=block.attn.core.backend)
     return model
+
+
+def apply_to_stages(local: nn.Module, comm: RingComm) -> None:
+    """cp on a rank's pipeline stages (`LocalStages`): ring attention in every block, and the
+    last stage's loss rescaled to the rows' mean (`cp_loss_fn` over the stage's own loss)."""
+    if comm.size == 1:
+        return
+    apply_context_parallel(local, comm)
+    for stage in local.stages.values():
+        stage.loss_fn = cp_loss_fn(comm.group, base=stage.loss_fn)
