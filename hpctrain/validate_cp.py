@@ -15,10 +15,6 @@ def check_cp(c: Config) -> list[str]:
     if p.cp <= 1:  # below 1: the range check reports it
         return []
     errs = []
-    if c.task == "plan":  # the cost models do not divide activations or charge the ring yet
-        errs.append(f"parallel.cp={p.cp} with task=plan is not implemented yet in this version "
-                    "of hpctrain (the planner does not model context parallelism): plan with "
-                    "parallel.cp=1")
     if L % (2 * p.cp):
         ok = [n for n in (1, 2, 4, 8, 16) if L % (2 * n) == 0]
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"

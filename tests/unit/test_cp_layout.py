@@ -45,8 +45,3 @@ def test_cp_mistakes_are_refused_with_the_fix(overrides, text, tmp_path):
     assert text in str(err.value)
 
 
-
-def test_planning_under_cp_is_refused_until_the_planner_models_it(tmp_path):
-    with pytest.raises(ValueError, match="parallel.cp=2 with task=plan is not implemented yet"):
-        make_config(["task=plan", "model=debug", "train=debug", "cluster.procs_per_node=2",
-                     "parallel.cp=2"], run_dir=tmp_path)

@@ -40,3 +40,18 @@ def test_ring_traffic_is_charged_beyond_the_compute_it_overlaps():
     assert slow.comm_cp_s == pytest.approx(ring - slow.compute_s, rel=1e-12)
     assert slow.comm_cp_s > 0 and slow.step_time_s > t.step_time_s
     assert step_time(MODEL, cluster, layout=Layout(dp=8), **kw).comm_cp_s == 0.0
+
+
+def test_search_tries_cp_when_the_sequence_splits_and_long_context_needs_it():
+    from hpctrain.plan.search import search_layouts
+
+    long_ctx = dict(n_devices=8, global_batch=8, micro_batch_size=1, seq_len=524288,
+                    zero_stages=(1,), schedules=("1f1b",), recomputes=("selective",))
+    cluster = megatron_a100_cluster()
+    found = search_layouts(MODEL, cluster, context_parallel=(1, 2, 4, 8), **long_ctx)
+    assert {c.layout.cp for c in found} == {1, 2, 4, 8}
+    def fits(cp):  # one 512k-token row, no tp, no pp: 204 GiB at cp=1, 28 GiB at cp=8
+        return any(c.fits for c in found if (c.layout.cp, c.layout.tp, c.layout.pp) == (cp, 1, 1))
+    assert fits(8) and not fits(1)
+    odd = search_layouts(MODEL, cluster, context_parallel=(1, 8), **{**long_ctx, "seq_len": 24})
+    assert {c.layout.cp for c in odd} == {1}  # 24 is not divisible by 2·8
