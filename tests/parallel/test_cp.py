@@ -3,7 +3,7 @@
 fp64 (1e-12): cp ∈ {2, 4}, loss and every gradient, with and without documents (and then
 padding targets spread unevenly over the shards), eager and sdpa per-block forwards. Zigzag
 balance: equal computed blocks per rank. Trainer (fp32): cp=2, cp=2 × dp=2 with ZeRO-1/3,
-cp=2 × tp=2 (± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1, and
+cp=2 × tp=2 (± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1 and back, and
 comm_cp_bytes equal to the analytical ring volume.
 """
 
@@ -91,4 +91,17 @@ def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):
     path = ckpt.latest_complete(saved)
     assert path is not None and path.name.endswith("00000002")
     runs = get_world(1).run(h.train_cp, [f"train.resume={path}"], str(tmp_path / "resumed"))
+    _same_trajectory(runs[0], single[2:])
+
+
+def test_cp1_checkpoint_resumes_at_cp2(world2, tmp_path, single):
+    from hpctrain.train import checkpoint as ckpt
+    from tests.conftest import get_world
+
+    saved = tmp_path / "saved"
+    get_world(1).run(h.train_cp, ["train.stop_after=2"], str(saved))
+    path = ckpt.latest_complete(saved)
+    assert path is not None and path.name.endswith("00000002")
+    runs = world2.run(h.train_cp, ["parallel.cp=2", f"train.resume={path}"],
+                      str(tmp_path / "resumed"))
     _same_trajectory(runs[0], single[2:])
