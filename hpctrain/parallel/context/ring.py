@@ -88,6 +88,37 @@ def _chunks(x_BXSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_BXSH.chunk(2, dim=2)
 
 
+def attend(acc: list, q: tuple, kv_2BKSH, *, src: int, docs: ShardDocuments, comm) -> None:
+    """Merge the blocks of this rank's query chunks `q` against cp rank `src`'s key/value
+    shard into the running (o, lse) pairs `acc` (one per query chunk; None before the first)."""
+    k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
+    for x in (0, 1):
+        for y in (x, 1 - x):  # the diagonal block first: every running lse is finite
+            mask = block_mask(docs, kv_rank=src, x=x, y=y)
+            if mask is None:
+                continue
+            comm.blocks += 1
+            part = comm.block_forward(q[x], k[y], v[y], mask)
+            acc[x] = part if acc[x] is None else merge(*acc[x], *part)
+
+
+def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
+                    docs: ShardDocuments) -> None:
+    """Accumulate into dq (per query chunk) and `dkv_2BKSH` (of `src`'s shard) the gradients
+    of the blocks `attend` computed against `src`'s key/value shard."""
+    k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
+    dk, dv = _chunks(dkv_2BKSH[0]), _chunks(dkv_2BKSH[1])
+    for x in (0, 1):
+        for y in (0, 1):
+            mask = block_mask(docs, kv_rank=src, x=x, y=y)
+            if mask is None:
+                continue
+            gq, gk, gv = block_backward(q[x], k[y], v[y], mask, do[x], lse[x], d[x])
+            dq[x] += gq
+            dk[y].add_(gk)
+            dv[y].add_(gv)
+
+
 def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
     """(o_BNSH, lse_BNS) of this rank's queries against every rank's keys."""
     q = _chunks(q_BNSH)
@@ -95,15 +126,7 @@ def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
         pending = comm.shift(kv_2BKSH, tag=FORWARD_TAG) if step < comm.size - 1 else None
-        k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
-        for x in (0, 1):
-            for y in (x, 1 - x):  # the diagonal block first: every running lse is finite
-                mask = block_mask(docs, kv_rank=src, x=x, y=y)
-                if mask is None:
-                    continue
-                comm.blocks += 1
-                part = comm.block_forward(q[x], k[y], v[y], mask)
-                acc[x] = part if acc[x] is None else merge(*acc[x], *part)
+        attend(acc, q, kv_2BKSH, src=src, docs=docs, comm=comm)
         if pending is not None:
             kv_2BKSH = pending()
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
@@ -118,17 +141,7 @@ def _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS, docs, comm: RingComm):
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
         pending = comm.shift(kv_2BKSH, tag=BACKWARD_KV_TAG) if step < comm.size - 1 else None
-        k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
-        dk, dv = _chunks(dkv_2BKSH[0]), _chunks(dkv_2BKSH[1])
-        for x in (0, 1):
-            for y in (0, 1):
-                mask = block_mask(docs, kv_rank=src, x=x, y=y)
-                if mask is None:
-                    continue
-                gq, gk, gv = block_backward(q[x], k[y], v[y], mask, do[x], lse[x], d[x])
-                dq[x] += gq
-                dk[y].add_(gk)
-                dv[y].add_(gv)
+        attend_backward(dq, dkv_2BKSH, q, kv_2BKSH, do, lse, d, src=src, docs=docs)
         dkv_2BKSH = comm.shift(dkv_2BKSH, tag=BACKWARD_GRAD_TAG)() if comm.size > 1 else dkv_2BKSH
         if pending is not None:
             kv_2BKSH = pending()
