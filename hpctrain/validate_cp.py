@@ -20,9 +20,6 @@ def check_cp(c: Config) -> list[str]:
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
                     f"that is a multiple of {2 * p.cp}, or parallel.cp in {ok}")
-    if p.cp_comm != "ring":
-        errs.append(f"parallel.cp_comm={p.cp_comm!r} is not implemented yet in this version of "
-                    "hpctrain: use parallel.cp_comm=ring")
     if c.train.activation_checkpointing != "none":
         errs.append(f"parallel.cp={p.cp} with train.activation_checkpointing="
                     f"{c.train.activation_checkpointing} is not implemented yet: set "

@@ -70,7 +70,8 @@ class PipelineEngine:
         self.local.to(mesh.device)
         self.cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                                 backend=cfg.model.attention)
-        apply_to_stages(self.local, self.cp_comm)  # cp > 1: ring attention, row-mean loss
+        # cp > 1: ring (or all-gather) attention, the rows' mean loss
+        apply_to_stages(self.local, self.cp_comm, transport=p.cp_comm)
         # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
         apply_activation_checkpointing(self.local, t.activation_checkpointing)
         s2r = self.schedule.stage_to_rank

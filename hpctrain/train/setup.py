@@ -36,7 +36,8 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
         plan = setup_tensor_parallel(model, cfg, mesh)
         cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                            backend=cfg.model.attention)
-        apply_context_parallel(model, cp_comm)  # attention over the cp ring (cp > 1)
+        # cp > 1: attention over the cp ring (or all-gathered key/value shards)
+        apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         model.to(mesh.device)
     # One update path for every layout: gradient reduction (bucketed), the global norm,

@@ -45,7 +45,8 @@ def ce64(logits_BLV, targets_BL):
     return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
 
 
-def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
+def cp_equals_single(attention: str, documents: bool, L: int = 32,
+                     transport: str = "ring") -> dict:
     """fp64: the loss and every gradient of the model under cp (the world as one cp group)
     against the single process; returns the largest differences and the blocks computed."""
     torch.set_default_dtype(torch.float64)
@@ -57,7 +58,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32) -> dict:
         loss_ref = ce64(logits, targets_BL)
         loss_ref.backward()
         comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
-        model = apply_context_parallel(copy.deepcopy(ref), comm)
+        model = apply_context_parallel(copy.deepcopy(ref), comm, transport=transport)
         model.zero_grad(set_to_none=True)
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
                                             cp=comm.size)
@@ -92,6 +93,6 @@ def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
     expected = cfg.grad_accum * cfg.model.n_layers * ring_bytes(
         batch=cfg.train.micro_batch_size, kv_heads=cfg.model.n_kv_heads,
         shard_len=cfg.train.seq_len // cfg.parallel.cp, head_dim=cfg.model.head_dim,
-        elem_bytes=4, cp=cfg.parallel.cp)
+        elem_bytes=4, cp=cfg.parallel.cp, transport=cfg.parallel.cp_comm)
     return [{**{k: h.get(k) for k in keys}, "expected_cp_bytes": expected}
             for h in trainer.history]

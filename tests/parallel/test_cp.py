@@ -28,6 +28,12 @@ def test_cp4_loss_and_grads_equal_single_fp64(world4, attention, documents):
         assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_allgather_transport_equals_single_fp64(world4, documents):
+    for r in world4.run(h.cp_equals_single, "sdpa", documents, transport="allgather"):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+
+
 def test_zigzag_balances_the_blocks_each_rank_computes(world4):
     """Without documents every cp rank computes 2·cp + 1 chunk blocks per layer."""
     blocks = [r["blocks"] for r in world4.run(h.cp_equals_single, "eager", False)]
@@ -53,8 +59,10 @@ def single(tmp_path_factory):
     return get_world(1).run(h.train_cp, [], str(tmp_path_factory.mktemp("single")))[0]
 
 
-def test_cp2_trainer_matches_single_process(world2, tmp_path, single):
-    runs = world2.run(h.train_cp, ["parallel.cp=2"], str(tmp_path / "cp2"))
+@pytest.mark.parametrize("transport", ["ring", "allgather"])
+def test_cp2_trainer_matches_single_process(world2, tmp_path, single, transport):
+    runs = world2.run(h.train_cp, ["parallel.cp=2", f"parallel.cp_comm={transport}"],
+                      str(tmp_path / "cp2"))
     _same_trajectory(runs[0], single)
     for rank in runs:  # every rank sends exactly the analytical ring volume, every step
         assert [s["comm_cp_bytes"] for s in rank] == [s["expected_cp_bytes"] for s in rank]

@@ -35,7 +35,6 @@ def test_zigzag_shards_cover_the_row_once_with_full_row_positions():
 
 @pytest.mark.parametrize(("overrides", "text"), [
     (["train.seq_len=36", "parallel.cp=4"], "seq_len=36 is not divisible by 2 × parallel.cp=4"),
-    (["parallel.cp=2", "parallel.cp_comm=allgather"], "parallel.cp_comm='allgather' is not"),
     (["parallel.cp=3"], "parallel.cp=3 × parallel.dp=1 = 3 ranks"),
 ])
 def test_cp_mistakes_are_refused_with_the_fix(overrides, text, tmp_path):

@@ -28,13 +28,15 @@ FORWARD_TAG, BACKWARD_KV_TAG, BACKWARD_GRAD_TAG = 1, 2, 3
 
 
 def ring_bytes(*, batch: int, kv_heads: int, shard_len: int, head_dim: int, elem_bytes: int,
-               cp: int) -> int:
+               cp: int, transport: str = "ring") -> int:
     """Bytes one rank sends per attention layer for one forward + backward of a micro-batch:
-    a key/value shard is 2·B·K·S·H elements; forward sends it cp−1 times, backward sends it
-    cp−1 times and its dk/dv accumulator (same size) cp times: (3·cp − 2) shards."""
+    a key/value shard is 2·B·K·S·H elements; the ring sends it cp−1 times forward, cp−1
+    times backward with its dk/dv accumulator (same size) cp times: (3·cp − 2) shards; the
+    all-gather transport 3·(cp − 1) (context.allgather)."""
     if cp == 1:
         return 0
-    return (3 * cp - 2) * 2 * batch * kv_heads * shard_len * head_dim * elem_bytes
+    shards = 3 * (cp - 1) if transport == "allgather" else 3 * cp - 2
+    return shards * 2 * batch * kv_heads * shard_len * head_dim * elem_bytes
 
 
 class RingComm:
