@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp): ring attention over zigzag shards equals one process.
 
 fp64 (1e-12): cp ∈ {2, 4}, loss and every gradient, with and without documents (and then
-padding targets spread unevenly over the shards), eager and sdpa per-block forwards. Zigzag
+padding targets spread unevenly over the shards), eager and sdpa per-block forwards, ring and
+all-gather transports. Zigzag
 balance: equal computed blocks per rank. Trainer (fp32): cp=2, cp=2 × dp=2 with ZeRO-1/3,
 cp=2 × tp=2 (± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1 and back, and
 comm_cp_bytes equal to the analytical ring volume.
