@@ -60,6 +60,8 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (zigzag, ring attention)
+    cp_comm: Literal["ring", "allgather"] = "ring"  # how key/value shards travel under cp > 1
     zero: int = 0  # 0 (plain data parallel) | 1 | 2 | 3
     sp: bool = False  # sequence parallelism (with tp > 1)
     offload: Literal["none", "cpu"] = "none"
@@ -72,7 +74,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 @dataclass(frozen=True)

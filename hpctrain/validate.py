@@ -24,6 +24,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
 from hpctrain.parallel.pipeline.sim_task import simulate_costs, simulated_schedule
 from hpctrain.plan.task import cluster_spec, plan_settings
+from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
@@ -46,7 +47,7 @@ Check = Callable[[Config], list[str]]
 
 def check_world(c: Config) -> list[str]:
     p, cl = c.parallel, c.cluster
-    world, per_replica = cl.world_size, p.tp * p.pp
+    world, per_replica = cl.world_size, p.tp * p.pp * p.cp
     if p.world_size == world:
         return []
     fixes = []
@@ -54,9 +55,10 @@ def check_world(c: Config) -> list[str]:
         fixes.append(f"set parallel.dp={world // per_replica}")
     if p.world_size % cl.nodes == 0:
         fixes.append(f"set cluster.procs_per_node={p.world_size // cl.nodes}")
-    fix = ", or ".join(fixes) or "make dp × tp × pp equal cluster.nodes × procs_per_node"
+    fix = ", or ".join(fixes) or "make dp × cp × tp × pp equal cluster.nodes × procs_per_node"
     return [
-        f"parallel.pp={p.pp} × parallel.tp={p.tp} × parallel.dp={p.dp} = {p.world_size} ranks, "
+        f"parallel.pp={p.pp} × parallel.tp={p.tp} × parallel.cp={p.cp} × parallel.dp={p.dp} = "
+        f"{p.world_size} ranks, "
         f"but cluster.nodes={cl.nodes} × cluster.procs_per_node={cl.procs_per_node} = {world}:"
         f" {fix}"
     ]
@@ -335,7 +337,8 @@ _BATCH = ("train.global_batch_size", "train.micro_batch_size", "parallel.")
 _SHAPE = ("model.", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.sp",
           "parallel.schedule", "train.seq_len")
 DERIVED: dict[Check, tuple[str, ...]] = {
-    check_world: ("parallel.dp", "parallel.tp", "parallel.pp", "cluster.nodes",
+    check_cp: ("parallel.cp", "parallel.cp_comm", "train.seq_len", "parallel.", "model."),
+    check_world: ("parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "cluster.nodes",
                   "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
     check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
@@ -357,7 +360,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
-CHECKS: tuple[Check, ...] = (*INPUTS, check_world, check_signal_delay, check_optim,
+CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
                              check_not_built, check_schedule, check_pipeline, check_cluster_spec,
@@ -368,7 +371,7 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
     "simulate": (check_simulate,),
     # The planner predicts any layout, including ones this version cannot run yet.
-    "plan": (check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
+    "plan": (check_cp, check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
              check_plan),
 }
 

@@ -37,6 +37,9 @@ class Mesh:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     # This rank's step heartbeat for the hang watchdog (a no-op outside a launched run).
     heartbeat: Heartbeat = NO_HEARTBEAT
+    # The dp×cp group (gradient reduction and ZeRO sharding of replicated parameters); the dp
+    # group itself at cp = 1.
+    dp_cp: dist.ProcessGroup | None = None
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         """The group along `axis`: of size 1 when the axis has degree 1 (callers skip their
@@ -61,7 +64,8 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
     others), so it costs no collective setup."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group has {dist.get_world_size()} ranks but the layout needs "
-                         f"{dims.world_size} (dp={dims.dp}, tp={dims.tp}, pp={dims.pp})")
+                         f"{dims.world_size} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}, "
+                         f"pp={dims.pp})")
     mesh = Mesh(dims, rank, device, timeout=timeout, heartbeat=heartbeat)
     for axis in AXES:
         if dims.degree(axis) == 1:
@@ -72,6 +76,14 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
             group = dist.new_group(ranks, timeout=timeout, group_desc=axis)  # named in dumps
             if rank in ranks:
                 mesh.groups[axis] = group
+    mesh.dp_cp = mesh.groups["dp"]
+    if dims.cp > 1 and dims.dp > 1:
+        for ranks in dims.all_dp_cp_groups():
+            group = dist.new_group(ranks, timeout=timeout, group_desc="dp_cp")
+            if rank in ranks:
+                mesh.dp_cp = group
+    elif dims.cp > 1:
+        mesh.dp_cp = mesh.groups["cp"]
     return mesh
 
 

@@ -78,8 +78,8 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
                         timeout_s=cfg.cluster.timeout_s)
     try:
         p = cfg.parallel
-        mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=rank, device=device,
-                          timeout=timeout, heartbeat=watchdog)
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        mesh = build_mesh(dims, rank=rank, device=device, timeout=timeout, heartbeat=watchdog)
         with watchdog:
             return task(cfg, mesh)
     except (KeyboardInterrupt, SystemExit):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.stage import LocalStages
@@ -79,6 +80,7 @@ class ParallelState:
     tp_plan: TensorParallelPlan | None = None  # None: tp = 1 (the model was not sharded)
     stages: LocalStages | None = None  # pp > 1: this rank's stages (`model` is the same object)
     runtime: PipelineRuntime | None = None  # pp > 1: the interpreter of this rank's actions
+    cp_comm: RingComm | None = None  # the cp ring (its byte counter feeds comm_cp_bytes)
 
     def tp_sharded(self) -> dict[str, ParamShard]:
         """The parameters split over tp (dim not None), by name; {} at tp = 1."""
@@ -138,7 +140,9 @@ def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParalle
 
 def parallel_state(model: nn.Module, *, mesh: Mesh, engine: DataParallel,
                    tp_plan: TensorParallelPlan | None = None, stages: LocalStages | None = None,
-                   runtime: PipelineRuntime | None = None) -> ParallelState:
+                   runtime: PipelineRuntime | None = None,
+                   cp_comm: RingComm | None = None) -> ParallelState:
     """Freeze the built pieces into one ParallelState, deriving the shard spec."""
     spec = shard_spec(model, engine=engine, tp_plan=tp_plan, stages=stages)
-    return ParallelState(mesh, model, MappingProxyType(spec), engine, tp_plan, stages, runtime)
+    return ParallelState(mesh, model, MappingProxyType(spec), engine, tp_plan, stages, runtime,
+                         cp_comm)

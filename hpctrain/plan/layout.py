@@ -33,9 +33,10 @@ class Layout:
     offload: Offload = "none"
     sp: bool = False
     schedule: str = "1f1b"
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
 
     def __post_init__(self) -> None:
-        ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)  # degrees >= 1
+        ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # degrees >= 1
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.offload not in ("none", "cpu"):
@@ -53,15 +54,16 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp)
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     @property
     def n_devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         """Short label, e.g. 'dp4 tp2 pp2 v1 z1 1f1b sp'."""
         extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
+        extras += f" cp{self.cp}" if self.cp > 1 else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "
             f"{self.schedule}{extras}"

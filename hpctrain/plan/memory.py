@@ -27,7 +27,9 @@ Stored activations = in_flight × (n_layers / (pp·v)) layers, in_flight from th
 `hpctrain.plan.bubble.in_flight_microbatches`). With pp = 1 the output layer adds
 4·s·b·(h + V)/t (final-norm input and fp32 logits, the paper's δ_{p=1} term); with pp > 1 the
 busiest rank is the first stage, which has no output layer. The embedding dropout mask is
-not counted.
+not counted. Context parallelism (cp) replaces s by s/cp in every activation term (each rank
+holds s/cp tokens of each row) and shards ZeRO states over dp·cp (parameters are replicated
+over both axes).
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def activation_bytes(
     if in_flight < 1:
         raise ValueError(f"in_flight={in_flight} must be >= 1 (microbatches whose activations "
                          "are alive at the peak; 1 for pp=1)")
+    seq_len //= layout.cp  # each cp rank holds seq_len/cp tokens of every row
     kw = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, tp=layout.tp, sp=layout.sp)
     per_layer = layer_activation_bytes(model, recompute=recompute, **kw)
     layers = model.n_layers / (layout.pp * layout.virtual_stages)
@@ -171,8 +174,8 @@ def memory_breakdown(
     pipeline simulator, or `bubble.in_flight_microbatches` for the closed form (1 for pp=1).
     """
     psi = rank_params(model, tp=layout.tp, pp=layout.pp)
-    states = model_state_bytes(
-        psi, dp=layout.dp, zero=layout.zero, precision=precision, offload=layout.offload
+    states = model_state_bytes(  # ZeRO shards over the dp×cp group (replicas of both)
+        psi, dp=layout.dp * layout.cp, zero=layout.zero, precision=precision, offload=layout.offload
     )
     acts = activation_bytes(
         model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,

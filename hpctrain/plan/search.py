@@ -1,4 +1,5 @@
-"""Layout search: every valid (dp, tp, pp, v, ZeRO, schedule, recompute) for n devices, scored.
+"""Layout search: every valid (dp, cp, tp, pp, v, ZeRO, schedule, recompute) for n devices,
+scored.
 
 Candidates that fit in device memory are ranked by predicted step time (ties: lower ZeRO
 stage, less recomputation, less memory); the rest follow, smallest first. Each candidate
@@ -55,22 +56,26 @@ def _pipelines(pp: int, schedules: Sequence[str], virtual_stages: Sequence[int])
 def enumerate_layouts(
     model: Shape, *, n_devices: int, global_batch: int, micro_batch_size: int,
     schedules: Sequence[str], zero_stages: Sequence[int], virtual_stages: Sequence[int],
+    context_parallel: Sequence[int] = (1,),
 ) -> Iterator[Layout]:
-    """Valid layouts with dp·tp·pp = n_devices (`layout_problems` empty); sp on when tp > 1;
-    ZeRO stages > 0 only when dp > 1 (they shard nothing otherwise); no ZeRO-3 with pipelines
-    (hpctrain gathers ZeRO-3 parameters per block of a whole model, so it refuses that mix)."""
-    for tp in _divisors(n_devices):
-        for pp in _divisors(n_devices // tp):
-            dp = n_devices // (tp * pp)
-            for schedule, v in _pipelines(pp, schedules, virtual_stages):
-                for zero in zero_stages if dp > 1 else (0,):
-                    if zero == 3 and pp > 1:
-                        continue
-                    layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
-                                    sp=tp > 1, schedule=schedule)
-                    if not layout_problems(model, layout, global_batch=global_batch,
-                                           micro_batch_size=micro_batch_size):
-                        yield layout
+    """Valid layouts with dp·cp·tp·pp = n_devices (`layout_problems` empty), cp from
+    `context_parallel` (the caller keeps those dividing the sequence into 2·cp chunks); sp on
+    when tp > 1; ZeRO stages > 0 only when dp·cp > 1 (they shard nothing otherwise); no
+    ZeRO-3 with pipelines (hpctrain gathers ZeRO-3 parameters per block of a whole model, so
+    it refuses that mix)."""
+    for cp in (c for c in context_parallel if n_devices % c == 0):
+        for tp in _divisors(n_devices // cp):
+            for pp in _divisors(n_devices // (cp * tp)):
+                dp = n_devices // (cp * tp * pp)
+                for schedule, v in _pipelines(pp, schedules, virtual_stages):
+                    for zero in zero_stages if dp * cp > 1 else (0,):
+                        if zero == 3 and pp > 1:
+                            continue
+                        layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
+                                        sp=tp > 1, schedule=schedule, cp=cp)
+                        if not layout_problems(model, layout, global_batch=global_batch,
+                                               micro_batch_size=micro_batch_size):
+                            yield layout
 
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
@@ -114,15 +119,18 @@ def search_layouts(
     schedules: Sequence[str] = ("1f1b", "interleaved_1f1b", "zb_h1"),
     zero_stages: Sequence[int] = (0, 1, 2, 3), recomputes: Sequence[str] = RECOMPUTES,
     virtual_stages: Sequence[int] = (2, 4), dp_overlap: float = 0.0,
-    attended_per_token: float | None = None,
+    attended_per_token: float | None = None, context_parallel: Sequence[int] = (1,),
 ) -> list[Candidate]:
-    """All valid candidates, fitting ones fastest first, each with its reason (module doc)."""
+    """All valid candidates, fitting ones fastest first, each with its reason (module doc).
+    `context_parallel`: cp degrees to try; those not dividing seq_len into 2·cp chunks are
+    dropped."""
     if n_devices < 1:
         raise ValueError(f"n_devices={n_devices} must be >= 1")
     layouts = enumerate_layouts(
         model, n_devices=n_devices, global_batch=global_batch,
         micro_batch_size=micro_batch_size, schedules=schedules, zero_stages=zero_stages,
         virtual_stages=virtual_stages,
+        context_parallel=[c for c in context_parallel if c == 1 or seq_len % (2 * c) == 0],
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
               precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token)

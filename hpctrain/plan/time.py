@@ -12,6 +12,10 @@ Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatche
   bubble   = busy · f/(1 − f), busy = compute + comm_tp + comm_pp, f = bubble_fraction(...)
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
+  comm_cp  = max(0, ring − compute): ring attention sends, per layer and microbatch,
+             (3·cp − 2) key/value shards of 2·b·(s/cp)·K·H_d elements (parallel.context.ring
+             .ring_bytes), overlapped with the compute up to all of it; tp, pp and dp terms
+             use the rank's s/cp tokens and the dp·cp gradient group
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
 The optimizer step and the elementwise kernels are not timed separately: achievable_fraction
 absorbs them. Attention FLOPs are linear in the attended length per token: s for rows of one
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.parallel.context.ring import ring_bytes
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
@@ -49,6 +54,7 @@ class StepTime:
     tokens_per_s: float
     tflops_per_device: float
     mfu: float
+    comm_cp_s: float = 0.0  # exposed ring-attention traffic (0 at cp = 1)
 
 
 def ring_time(nbytes: float, *, n: int, bw: float, latency: float, op: str) -> float:
@@ -115,11 +121,25 @@ def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
 def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
     """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3)."""
     nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(precision)[1]
-    bw, lat = dp_link(cluster, tp=layout.tp, dp=layout.dp)
+    n = layout.dp * layout.cp  # gradients of replicated parameters reduce over dp×cp
+    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
     gathers = 2 if layout.zero == 3 else 1
-    rs = ring_time(nbytes, n=layout.dp, bw=bw, latency=lat, op="reduce_scatter")
-    ag = ring_time(nbytes, n=layout.dp, bw=bw, latency=lat, op="all_gather")
+    rs = ring_time(nbytes, n=n, bw=bw, latency=lat, op="reduce_scatter")
+    ag = ring_time(nbytes, n=n, bw=bw, latency=lat, op="all_gather")
     return rs + gathers * ag
+
+
+def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> float:
+    """m · (l/pp) ring-attention layers, each (3·cp − 2) shard sends to the next cp rank
+    (cp ranks sit inside tp·cp consecutive ranks: NVLink while that fits in a node)."""
+    if layout.cp == 1:
+        return 0.0
+    kv_heads = max(1, getattr(model, "n_kv_heads", model.n_heads) // layout.tp)
+    nbytes = ring_bytes(batch=mbs, kv_heads=kv_heads, shard_len=seq_len // layout.cp,
+                        head_dim=model.dim // model.n_heads, elem_bytes=_act_bytes(precision),
+                        cp=layout.cp) / (3 * layout.cp - 2)
+    bw, lat = tp_link(cluster, layout.tp * layout.cp)
+    return m * model.n_layers / layout.pp * (3 * layout.cp - 2) * (nbytes / bw + lat)
 
 
 def step_time(
@@ -145,13 +165,14 @@ def step_time(
         raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
     executed = tokens * training_flops_per_token(model, seq_len=attn, recompute=recompute)
     compute = executed / n / (peak * cluster.achievable_fraction)
-    kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len, precision=precision)
+    kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     pp = pp_comm_s(model, cluster, layout, **kw)
+    cp = max(0.0, cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len}) - compute)
     frac = bubble_fraction(layout.schedule, pp=layout.pp, m=m, v=layout.virtual_stages)
-    bubble = (compute + tp + pp) * frac / (1.0 - frac)
+    bubble = (compute + tp + pp + cp) * frac / (1.0 - frac)
     dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
-    total = compute + tp + pp + bubble + dp
+    total = compute + tp + pp + cp + bubble + dp
     model_flops = tokens * model.flops_per_token(attn)
     return StepTime(
         step_time_s=total,
@@ -164,4 +185,5 @@ def step_time(
         tokens_per_s=tokens / total,
         tflops_per_device=executed / n / total / 1e12,
         mfu=model_flops / n / total / peak,
+        comm_cp_s=cp,
     )

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.context.apply import apply_to_stages
+from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.actions import Action
 from hpctrain.parallel.pipeline.lowering import lower_comm
@@ -67,6 +69,10 @@ class PipelineEngine:
             cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
             seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp)
         self.local.to(mesh.device)
+        self.cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
+                                backend=cfg.model.attention)
+        # cp > 1: ring (or all-gather) attention, the rows' mean loss
+        apply_to_stages(self.local, self.cp_comm, transport=p.cp_comm)
         # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
         apply_activation_checkpointing(self.local, t.activation_checkpointing)
         s2r = self.schedule.stage_to_rank
@@ -76,7 +82,8 @@ class PipelineEngine:
                                    n_stages=self.schedule.n_stages,
                                    pp_ranks_apart=s2r[0] != s2r[-1],
                                    timeout_s=cfg.cluster.timeout_s)
-        self.act_shape = stage_act_shape(micro_batch=t.micro_batch_size, seq_len=t.seq_len,
+        self.act_shape = stage_act_shape(micro_batch=t.micro_batch_size,
+                                         seq_len=t.seq_len // p.cp,
                                          dim=cfg.model.dim, tp=p.tp, sp=p.sp)
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
@@ -151,7 +158,7 @@ class PipelineEngine:
         replica's pp group, averaged over dp."""
         value = last_stage_value(value, holds=self.holds_loss, group=self.mesh.group("pp"),
                                  device=self.mesh.device)
-        allreduce_mean([value], self.mesh.group("dp"))
+        allreduce_mean([value], self.mesh.dp_cp)
         return float(value)
 
     def write_timeline(self, run_dir: Path, *, step: int) -> dict[str, str] | None:

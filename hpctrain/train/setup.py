@@ -14,6 +14,8 @@ from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.parallel.context.apply import apply_context_parallel
+from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
 from hpctrain.parallel.state import ParallelState, parallel_state
 from hpctrain.train.pipeline import PipelineEngine
@@ -27,11 +29,15 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     if (pipeline is None) != (cfg.parallel.pp == 1):
         raise ValueError(f"parallel.pp={cfg.parallel.pp} needs a pipeline engine exactly "
                          "when pp > 1: build PipelineEngine(cfg, mesh) and pass it")
-    if pipeline is not None:
-        model, plan = pipeline.local, pipeline.tp_plan  # this rank's stages, full names
+    if pipeline is not None:  # stages built, tp-sharded and given ring attention there
+        model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
         plan = setup_tensor_parallel(model, cfg, mesh)
+        cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
+                           backend=cfg.model.attention)
+        # cp > 1: attention over the cp ring (or all-gathered key/value shards)
+        apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         model.to(mesh.device)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
@@ -44,4 +50,5 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     engine = build_data_parallel(model, cfg, mesh, **axes)
     return parallel_state(model, mesh=mesh, engine=engine, tp_plan=plan,
                           stages=pipeline.local if pipeline is not None else None,
-                          runtime=pipeline.runtime if pipeline is not None else None)
+                          runtime=pipeline.runtime if pipeline is not None else None,
+                          cp_comm=cp_comm)

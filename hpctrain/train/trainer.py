@@ -26,8 +26,9 @@ from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_pe
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
+from hpctrain.parallel.context.step import cp_loss_fn, shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
-from hpctrain.parallel.step import eval_loss
+from hpctrain.parallel.step import eval_loss, lm_loss
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.optim import lr_at, set_lr
@@ -66,6 +67,9 @@ class Trainer:
         self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
+        if cfg.parallel.cp > 1:  # the rows' mean over zigzag shards, on the layout's own loss
+            self.tp_hooks = {"loss_fn": cp_loss_fn(mesh.group("cp"),
+                                                   base=self.tp_hooks.get("loss_fn", lm_loss))}
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)
@@ -123,7 +127,7 @@ class Trainer:
         state = {"step": self.step, "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
-                 "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
+                 "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
         return ckpt.save(path, parallel=self.parallel, train_state=state,
@@ -136,20 +140,22 @@ class Trainer:
         lr = lr_at(step, cfg.optim, total_steps=cfg.train.steps)
         set_lr(self.optimizer, lr)
         take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
+        take_cp_bytes(self.parallel.cp_comm)
         micro = list(self.micro_batches(step))
         t0 = time.perf_counter()
         if self.pipeline is not None:
             result, step_extra = self._pipeline_step(micro)
         else:
             result, step_extra = self.dp.train_step(
-                micro, n_micro=cfg.grad_accum, precision=cfg.train.precision,
-                scaler=self.scaler, grad_clip=cfg.train.grad_clip,
+                shard_batches(micro, group=self.mesh.group("cp")), n_micro=cfg.grad_accum,
+                precision=cfg.train.precision, scaler=self.scaler, grad_clip=cfg.train.grad_clip,
                 **self.tp_hooks), {}
         dt = time.perf_counter() - t0
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
                 **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
+                **take_cp_bytes(self.parallel.cp_comm),
                 **step_extra}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:
@@ -166,6 +172,7 @@ class Trainer:
         """pp > 1: every stage of a dp replica reads the same micro-batches (the first stage
         needs the tokens, the last the targets, every stage the documents) and runs its
         schedule (hpctrain.train.pipeline)."""
+        micro = list(shard_batches(micro, group=self.mesh.group("cp")))
         return self.pipeline.train_step(self.dp, micro, scaler=self.scaler,
                                         grad_clip=self.cfg.train.grad_clip)
 
@@ -271,10 +278,11 @@ class Trainer:
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            batches = shard_batches(self.eval_batches(), group=self.mesh.group("cp"))
             metrics["eval_loss"] = (
-                self.pipeline.eval_loss(self.eval_batches()) if self.pipeline is not None else
-                eval_loss(self.model, self.eval_batches(), precision=t.precision,
-                          dp_group=self.mesh.group("dp"), **self.tp_hooks))
+                self.pipeline.eval_loss(batches) if self.pipeline is not None else
+                eval_loss(self.model, batches, precision=t.precision, dp_group=self.mesh.dp_cp,
+                          **self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()

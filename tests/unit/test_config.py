@@ -29,7 +29,7 @@ def test_every_option_composes(group, tmp_path):
             # enough text for one batch and one eval batch (the README alone is not)
             overrides.append(f"data.paths=['{ROOT / 'hpctrain' / '*' / '*.py'}']")
         if group == "parallel":
-            world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
+            world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
             overrides.append(f"cluster.procs_per_node={world}")
             # keep the default 2 micro-batches per replica (a 1F1B pipeline needs ≥ pp)
             overrides.append(f"train.global_batch_size={16 * cfg.parallel.dp}")

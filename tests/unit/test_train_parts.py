@@ -40,7 +40,7 @@ def test_loss_scaler_skips_halves_and_grows():
 
 def test_dims_tp_is_fastest_and_groups_partition_the_world():
     d = ParallelDims(dp=2, tp=2, pp=2)
-    assert d.coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert d.coords(5) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
     assert d.group_ranks("tp", 5) == [4, 5]
     assert d.group_ranks("dp", 5) == [5, 7]
     assert d.group_ranks("pp", 5) == [1, 5]

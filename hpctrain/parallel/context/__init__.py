@@ -1,0 +1,1 @@
+"""Context parallelism: each sequence split over the cp ranks (zigzag), ring attention."""

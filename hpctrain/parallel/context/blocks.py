@@ -1,0 +1,62 @@
+"""One (query chunk, key chunk) block of ring attention, with its log-sum-exp.
+
+Legend: B batch, N query heads, K kv heads, C chunk length, H head dim.
+Forward of a block: s = q kᵀ/√H masked, lse = log Σ_j exp s_j, o = softmax(s) v. Partial
+results over key blocks merge exactly (the online-softmax rule):
+  lse = logaddexp(lse₁, lse₂),  o = o₁·exp(lse₁ − lse) + o₂·exp(lse₂ − lse).
+Backward of a block, given the row's final lse and D = rowsum(dO ⊙ O) (FlashAttention-2):
+  p = exp(s − lse), dv = pᵀ dO, ds = p ⊙ (dO vᵀ − D), dq = ds k/√H, dk = dsᵀ q/√H.
+The math is eager in the input dtype (fp64 in the exactness tests); the sdpa backend's
+forward block is torch's fused CPU kernel (sdpa_lse.py), checked against this one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _expand(x_BKCH: torch.Tensor, n_heads: int) -> torch.Tensor:
+    groups = n_heads // x_BKCH.shape[1]
+    return x_BKCH if groups == 1 else x_BKCH.repeat_interleave(groups, dim=1)
+
+
+def _fold(dx_BNCH: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum the gradient of repeated kv heads back onto the K heads (GQA)."""
+    B, N, C, H = dx_BNCH.shape
+    return dx_BNCH.view(B, kv_heads, N // kv_heads, C, H).sum(2)
+
+
+def _scores(q_BNCH, k_BKCH, mask_BCC):
+    s_BNCC = q_BNCH @ _expand(k_BKCH, q_BNCH.shape[1]).transpose(-1, -2)
+    s_BNCC = s_BNCC / math.sqrt(q_BNCH.shape[-1])
+    return s_BNCC.masked_fill(~mask_BCC[:, None], float("-inf"))
+
+
+def block_forward(q_BNCH, k_BKCH, v_BKCH, mask_BCC):
+    """(o_BNCH, lse_BNC) of one block; rows the mask empties get o = 0, lse = −inf."""
+    s_BNCC = _scores(q_BNCH, k_BKCH, mask_BCC)
+    lse_BNC = torch.logsumexp(s_BNCC, dim=-1)
+    p_BNCC = torch.exp(s_BNCC - torch.where(lse_BNC.isinf(), 0, lse_BNC)[..., None])
+    return p_BNCC @ _expand(v_BKCH, q_BNCH.shape[1]), lse_BNC
+
+
+def merge(o_BNCH, lse_BNC, o2_BNCH, lse2_BNC):
+    """The online-softmax merge of two partial results (lse_BNC finite: the first partial
+    always holds the diagonal block, where every query sees itself)."""
+    lse = torch.logaddexp(lse_BNC, lse2_BNC)
+    w_BNC, w2_BNC = torch.exp(lse_BNC - lse), torch.exp(lse2_BNC - lse)
+    return o_BNCH * w_BNC[..., None] + o2_BNCH * w2_BNC[..., None], lse
+
+
+def block_backward(q_BNCH, k_BKCH, v_BKCH, mask_BCC, do_BNCH, lse_BNC, d_BNC):
+    """(dq_BNCH, dk_BKCH, dv_BKCH) of one block given the final lse and D of its rows."""
+    N, K = q_BNCH.shape[1], k_BKCH.shape[1]
+    p_BNCC = torch.exp(_scores(q_BNCH, k_BKCH, mask_BCC) - lse_BNC[..., None])
+    dv_BNCH = p_BNCC.transpose(-1, -2) @ do_BNCH
+    dp_BNCC = do_BNCH @ _expand(v_BKCH, N).transpose(-1, -2)
+    ds_BNCC = p_BNCC * (dp_BNCC - d_BNC[..., None]) / math.sqrt(q_BNCH.shape[-1])
+    dq_BNCH = ds_BNCC @ _expand(k_BKCH, N)
+    dk_BNCH = ds_BNCC.transpose(-1, -2) @ q_BNCH
+    return dq_BNCH, _fold(dk_BNCH, K), _fold(dv_BNCH, K)

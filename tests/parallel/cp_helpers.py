@@ -1,0 +1,98 @@
+"""Rank-side functions of the context-parallel tests (module level: pickled by reference)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain.models import ModelConfig, build_model
+from hpctrain.ops.documents import IGNORE_INDEX, Documents
+from hpctrain.parallel.context.apply import apply_context_parallel
+from hpctrain.parallel.context.ring import RingComm, ring_bytes
+from hpctrain.parallel.context.shard import shard_micro_batch
+from hpctrain.parallel.context.step import cp_loss_fn
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def tiny_cfg(attention: str) -> ModelConfig:
+    return ModelConfig(name="cp", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_dim=64, max_seq_len=64, attention=attention)
+
+
+def batch(L: int, *, documents: bool):
+    g = torch.Generator().manual_seed(7)
+    tokens_BL = torch.randint(0, 64, (2, L + 1), generator=g)
+    docs = None
+    if documents:  # documents of uneven lengths, one crossing every chunk boundary
+        ids_BL = torch.zeros(2, L, dtype=torch.long)
+        for b, cuts in enumerate(((3, 11, 12, 29), (L // 2 + 1,))):
+            for c in cuts:
+                ids_BL[b, c:] += 1
+        docs = Documents.from_ids(ids_BL)
+    targets_BL = tokens_BL[:, 1:].clone()
+    if documents:  # padding, unevenly over the shards: the loss must still be the rows' mean
+        targets_BL[0, L - 12:] = IGNORE_INDEX
+    return tokens_BL[:, :-1], targets_BL, docs
+
+
+def ce64(logits_BLV, targets_BL):
+    """Mean cross entropy in the logits' dtype (lm_loss computes in fp32)."""
+    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+
+
+def cp_equals_single(attention: str, documents: bool, L: int = 32,
+                     transport: str = "ring") -> dict:
+    """fp64: the loss and every gradient of the model under cp (the world as one cp group)
+    against the single process; returns the largest differences and the blocks computed."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = tiny_cfg(attention)
+        ref = build_model(cfg, seed=3).double()
+        inputs_BL, targets_BL, docs = batch(L, documents=documents)
+        logits = ref(inputs_BL, docs=docs)
+        loss_ref = ce64(logits, targets_BL)
+        loss_ref.backward()
+        comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
+        model = apply_context_parallel(copy.deepcopy(ref), comm, transport=transport)
+        model.zero_grad(set_to_none=True)
+        inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
+                                            cp=comm.size)
+        out = model(inp, docs=sdocs)
+        # the engine's view: each rank's cp loss, losses and gradients averaged over cp
+        loss = cp_loss_fn(dist.group.WORLD, base=ce64)(out, tgt)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        total /= comm.size
+        grad_err = 0.0
+        for (_, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(),
+                                         strict=True):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            g /= comm.size
+            grad_err = max(grad_err, float((g - p_ref.grad).abs().max()))
+        return {"loss_err": abs(float(total - loss_ref)), "grad_err": grad_err,
+                "blocks": comm.blocks, "bytes": comm.bytes_sent}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
+    """The real Trainer (fp32, 4 steps, eval every 2); per step loss, grad norm, eval loss and
+    the cp bytes this rank sent."""
+    from tests.parallel.trainer_runs import STEPS, run_trainer
+
+    trainer = run_trainer(["train.eval_every=2", *overrides], run_dir, steps=STEPS)
+    keys = ("loss", "grad_norm", "eval_loss", "comm_cp_bytes")
+    cfg = trainer.cfg
+    expected = cfg.grad_accum * cfg.model.n_layers * ring_bytes(
+        batch=cfg.train.micro_batch_size, kv_heads=cfg.model.n_kv_heads,
+        shard_len=cfg.train.seq_len // cfg.parallel.cp, head_dim=cfg.model.head_dim,
+        elem_bytes=4, cp=cfg.parallel.cp, transport=cfg.parallel.cp_comm)
+    return [{**{k: h.get(k) for k in keys}, "expected_cp_bytes": expected}
+            for h in trainer.history]

@@ -1,0 +1,46 @@
+"""The cp axis: rank order, the dp×cp group, zigzag shards and validation (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpctrain.distributed.dims import ParallelDims
+from hpctrain.ops.documents import Documents
+from hpctrain.parallel.context.shard import shard_documents, shard_rows, unshard_rows
+from tests.conftest import make_config
+
+
+def test_cp_sits_between_dp_and_tp():
+    d = ParallelDims(dp=2, tp=2, pp=2, cp=2)
+    assert d.world_size == 16
+    assert d.coords(6) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
+    assert d.group_ranks("tp", 6) == [6, 7]
+    assert d.group_ranks("cp", 6) == [4, 6]
+    assert d.group_ranks("dp", 6) == [2, 6]
+    assert d.dp_cp_ranks(6) == [0, 2, 4, 6]
+    assert sorted(r for g in d.all_dp_cp_groups() for r in g) == list(range(16))
+    assert ParallelDims(dp=2).dp_cp_ranks(1) == [0, 1]
+
+
+def test_zigzag_shards_cover_the_row_once_with_full_row_positions():
+    x_BL = torch.arange(16).view(1, 16)
+    shards = [shard_rows(x_BL, rank=r, cp=2) for r in range(2)]
+    assert shards[0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert torch.equal(unshard_rows(shards), x_BL)
+    docs = shard_documents(Documents.from_ids(torch.tensor([[0] * 5 + [1] * 11])), rank=1, cp=2)
+    assert docs.positions_BL.tolist() == [[4, 0, 1, 2, 3, 4, 5, 6]]
+    assert docs.ids_of(0).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize(("overrides", "text"), [
+    (["train.seq_len=36", "parallel.cp=4"], "seq_len=36 is not divisible by 2 × parallel.cp=4"),
+    (["parallel.cp=3"], "parallel.cp=3 × parallel.dp=1 = 3 ranks"),
+])
+def test_cp_mistakes_are_refused_with_the_fix(overrides, text, tmp_path):
+    with pytest.raises(ValueError) as err:
+        make_config(["model=debug", "train=debug", "cluster.procs_per_node=4", *overrides],
+                    run_dir=tmp_path)
+    assert text in str(err.value)
+
+
