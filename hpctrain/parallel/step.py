@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.distributed.mesh import group_size
 from hpctrain.ops.documents import IGNORE_INDEX, split_micro_batch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,33 +39,37 @@ def autocast(precision: str, device: torch.device):
 
 def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the tokens whose target is not IGNORE_INDEX
-    (padding), computed in fp32."""
-    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
+    (padding), computed in fp32; 0 (with a graph) when every target is padding, e.g. a
+    context-parallel shard of a padded row, which then adds nothing to the step's mean.
+    Bit-identical to F.cross_entropy's mean otherwise (the same sum and division)."""
+    targets_T = targets_BL.flatten()
+    real = (targets_T != IGNORE_INDEX).sum().clamp(min=1)
+    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_T, reduction="sum") / real
 
 
 def loss_divisors(micro_batches, *, dp_group, device: torch.device) -> list[float]:
     """d_i for each of this rank's micro-batches: its mean loss / d_i, summed over the
-    micro-batches and averaged over `dp_group`, is the mean over every real token of the global
-    batch (see the module docstring). d_i = N / (dp · n_i); one all-reduce over dp of
-    [Σ n_i, empty micro-batches] on `device` (none on a one-rank group).
+    micro-batches and averaged over `dp_group` (the group the gradients are averaged over:
+    dp, or dp×cp, whose ranks hold shards of the rows), is the mean over every real token of
+    the global batch (see the module docstring). d_i = N / (|group| · n_i); one all-reduce of
+    [Σ n_i] on `device` (none on a one-rank group). A micro-batch (or shard) with no real
+    token gets d_i = 1: its loss is 0 (lm_loss, the vocab-parallel loss), so it adds nothing.
 
-    Raises ValueError on every rank when any micro-batch of the dp group has no real token
-    (its mean is 0/0): the batching must put at least one real target in each."""
+    Raises ValueError on every rank when the whole global batch has no real token (its mean
+    is 0/0): the batching must put real targets in it."""
     counts = [int((split_micro_batch(m)[1] != IGNORE_INDEX).sum()) for m in micro_batches]
-    local = [sum(counts), sum(n == 0 for n in counts)]
-    total = torch.tensor(local, dtype=torch.int64)
+    total = torch.tensor([sum(counts)], dtype=torch.int64)
     dp = group_size(dp_group)
     if dp > 1:
         total = total.to(device)
         dist.all_reduce(total, group=dp_group)
-    n_real, n_empty = (int(v) for v in total.tolist())
-    if n_empty:
+    n_real = int(total.item())
+    if n_real == 0:
         raise ValueError(
-            f"{n_empty} micro-batch(es) over the dp group ({local[1]} on dp rank "
-            f"{group_rank(dp_group)}) have no real token: every target is IGNORE_INDEX, so "
-            f"their mean loss is undefined: give every micro-batch at least one real target "
-            f"(train.batching=tokens rows always hold one; check the loader's padding)")
-    return [n_real / (dp * n) for n in counts]
+            f"the global batch has no real token over the {dp} rank(s) of the dp group: every "
+            f"target is IGNORE_INDEX, so the mean loss is undefined: give the batch real "
+            f"targets (train.batching=tokens rows always hold one; check the loader's padding)")
+    return [n_real / (dp * n) if n else 1.0 for n in counts]
 
 
 @dataclass

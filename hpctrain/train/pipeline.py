@@ -108,7 +108,7 @@ class PipelineEngine:
         # The engine's bucket hooks must not issue dp collectives between the schedule's p2p
         # messages: gradients only accumulate during the schedule, reduction comes after.
         micro_batches = list(micro_batches)
-        divisors = loss_divisors(micro_batches, dp_group=self.mesh.group("dp"),
+        divisors = loss_divisors(micro_batches, dp_group=self.mesh.dp_cp,
                                  device=self.mesh.device)
         with engine.reducer.no_sync():
             result = self.runtime.step(micro_batches, start=start, divisors=divisors)
@@ -148,7 +148,7 @@ class PipelineEngine:
         microbatches, weighted as the train step (`loss_divisors`); the value is shared from
         the last stage's rank to its pp group (`last_stage_value`), then averaged over dp."""
         batches, m = list(batches), self.schedule.n_microbatches
-        d = loss_divisors(batches, dp_group=self.mesh.group("dp"), device=self.mesh.device)
+        d = loss_divisors(batches, dp_group=self.mesh.dp_cp, device=self.mesh.device)
         parts = [self.runtime.evaluate(batches[i:i + m], divisors=d[i:i + m])
                  for i in range(0, len(batches), m)]
         return self._reported(torch.stack(parts).sum() if self.holds_loss else None)

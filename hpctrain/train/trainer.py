@@ -26,9 +26,9 @@ from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_pe
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
-from hpctrain.parallel.context.step import cp_loss_fn, shard_batches, take_cp_bytes
+from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
-from hpctrain.parallel.step import eval_loss, lm_loss
+from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.optim import lr_at, set_lr
@@ -67,9 +67,6 @@ class Trainer:
         self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
-        if cfg.parallel.cp > 1:  # the rows' mean over zigzag shards, on the layout's own loss
-            self.tp_hooks = {"loss_fn": cp_loss_fn(mesh.group("cp"),
-                                                   base=self.tp_hooks.get("loss_fn", lm_loss))}
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)

@@ -14,7 +14,7 @@ from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, ring_bytes
 from hpctrain.parallel.context.shard import shard_micro_batch
-from hpctrain.parallel.context.step import cp_loss_fn
+from hpctrain.parallel.step import loss_divisors
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -41,8 +41,10 @@ def batch(L: int, *, documents: bool):
 
 
 def ce64(logits_BLV, targets_BL):
-    """Mean cross entropy in the logits' dtype (lm_loss computes in fp32)."""
-    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+    """Mean cross entropy over real targets in the logits' dtype, 0 for an all-padding shard
+    (as lm_loss, which computes in fp32)."""
+    real = (targets_BL != IGNORE_INDEX).sum().clamp(min=1)
+    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten(), reduction="sum") / real
 
 
 def cp_equals_single(attention: str, documents: bool, L: int = 32,
@@ -63,8 +65,10 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32,
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
                                             cp=comm.size)
         out = model(inp, docs=sdocs)
-        # the engine's view: each rank's cp loss, losses and gradients averaged over cp
-        loss = cp_loss_fn(dist.group.WORLD, base=ce64)(out, tgt)
+        # the engine's view: each shard's mean loss weighted by its real tokens
+        # (loss_divisors over the cp group), losses and gradients averaged over cp
+        (d,) = loss_divisors([(inp, tgt)], dp_group=dist.group.WORLD, device=torch.device("cpu"))
+        loss = ce64(out, tgt) / d
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -88,7 +92,7 @@ def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
     from tests.parallel.trainer_runs import STEPS, run_trainer
 
     trainer = run_trainer(["train.eval_every=2", *overrides], run_dir, steps=STEPS)
-    keys = ("loss", "grad_norm", "eval_loss", "comm_cp_bytes")
+    keys = ("loss", "grad_norm", "eval_loss", "comm_cp_bytes", "padding_fraction")
     cfg = trainer.cfg
     expected = cfg.grad_accum * cfg.model.n_layers * ring_bytes(
         batch=cfg.train.micro_batch_size, kv_heads=cfg.model.n_kv_heads,

@@ -114,3 +114,36 @@ def test_cp1_checkpoint_resumes_at_cp2(world2, tmp_path, single):
     runs = world2.run(h.train_cp, ["parallel.cp=2", f"train.resume={path}"],
                       str(tmp_path / "resumed"))
     _same_trajectory(runs[0], single[2:])
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """train.batching=tokens on documents of uneven length: rows end in padding, so the zigzag
+    shards of a row hold different numbers of real tokens (some none); and its single-process
+    trajectory."""
+    from tests.conftest import get_world
+
+    root = tmp_path_factory.mktemp("padded")
+    (root / "src").mkdir()
+    for i in range(60):
+        text = f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 7)
+        (root / "src" / f"d{i:02d}.txt").write_text(text)
+    overrides = ["train.batching=tokens", "data=files", f"data.paths=[{root}/src/*.txt]",
+                 f"data.cache_dir={root / 'cache'}", "data.val_fraction=0.2"]
+    single_run = get_world(1).run(h.train_cp, overrides, str(root / "single"))[0]
+    assert any(s["padding_fraction"] > 0.05 for s in single_run)  # padding is exercised
+    return overrides, single_run
+
+
+@pytest.mark.parametrize(("ranks", "extra"), [(2, []), (4, ["parallel.pp=2"])],
+                         ids=["cp2", "cp2pp2"])
+def test_cp2_on_padded_rows_matches_single_process(tmp_path, padded, ranks, extra):
+    """The step's loss is the mean over real tokens whatever the shards hold: each shard's
+    mean is weighted by its real tokens over dp×cp (a row-level rescale on top of that
+    weighting counted the shards twice)."""
+    from tests.conftest import get_world
+
+    overrides, want = padded
+    runs = get_world(ranks).run(h.train_cp, [*overrides, "parallel.cp=2", *extra],
+                                str(tmp_path / "run"))
+    _same_trajectory(next(r for r in runs if r[0]["loss"] == r[0]["loss"]), want)

@@ -30,7 +30,7 @@ from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.scaler import LossScaler
-from hpctrain.parallel.step import allreduce_mean, eval_loss, loss_divisors
+from hpctrain.parallel.step import allreduce_mean, eval_loss, lm_loss, loss_divisors
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_tp_grads,
@@ -232,13 +232,20 @@ def test_engine_step_and_eval_weight_real_tokens(world4, dp, tp):
 
 def test_divisors_without_padding_are_the_microbatch_count():
     """No padding: d_i = m exactly (the old mean of means, bit for bit); with padding the
-    divisors weight by real tokens; a micro-batch with none is refused, naming the fix."""
+    divisors weight by real tokens; an all-padding micro-batch adds a zero loss; a global
+    batch with no real token is refused, naming the fix."""
+    cpu = torch.device("cpu")
     x = torch.zeros(2, 5, dtype=torch.long)
-    assert loss_divisors([(x, x)] * 3, dp_group=None, device=torch.device("cpu")) == [3.0] * 3
+    assert loss_divisors([(x, x)] * 3, dp_group=None, device=cpu) == [3.0] * 3
     padded = x.clone()
     padded[0, 1:] = IGNORE_INDEX  # 6 real tokens of 10
-    got = loss_divisors([(x, x), (x, padded)], dp_group=None, device=torch.device("cpu"))
+    got = loss_divisors([(x, x), (x, padded)], dp_group=None, device=cpu)
     assert got == [16 / 10, 16 / 6]
-    with pytest.raises(ValueError, match="no real token.*at least one real target"):
-        loss_divisors([(x, torch.full_like(x, IGNORE_INDEX))], dp_group=None,
-                      device=torch.device("cpu"))
+    empty = torch.full_like(x, IGNORE_INDEX)
+    assert loss_divisors([(x, x), (x, empty)], dp_group=None, device=cpu) == [1.0, 1.0]
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    zero = lm_loss(logits, empty)
+    zero.backward()
+    assert float(zero) == 0.0 and float(logits.grad.abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="no real token.*give the batch real"):
+        loss_divisors([(x, empty)], dp_group=None, device=cpu)

@@ -10,7 +10,6 @@ from torch import nn
 
 from hpctrain.parallel.context.allgather import allgather_attention
 from hpctrain.parallel.context.ring import RingComm, ring_attention
-from hpctrain.parallel.context.step import cp_loss_fn
 
 
 class RingAttentionCore(nn.Module):
@@ -42,10 +41,7 @@ def apply_context_parallel(model: nn.Module, comm: RingComm, *,
 
 
 def apply_to_stages(local: nn.Module, comm: RingComm, *, transport: str = "ring") -> None:
-    """cp on a rank's pipeline stages (`LocalStages`): ring attention in every block, and the
-    last stage's loss rescaled to the rows' mean (`cp_loss_fn` over the stage's own loss)."""
-    if comm.size == 1:
-        return
+    """cp on a rank's pipeline stages (`LocalStages`): ring attention in every block. The
+    last stage's loss stays the shard's own mean; the step weights it by the shard's real
+    tokens over the dp×cp group (hpctrain.parallel.step.loss_divisors)."""
     apply_context_parallel(local, comm, transport=transport)
-    for stage in local.stages.values():
-        stage.loss_fn = cp_loss_fn(comm.group, base=stage.loss_fn)

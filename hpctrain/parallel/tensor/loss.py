@@ -37,7 +37,7 @@ class _VocabParallelCE(torch.autograd.Function):
                              counter=counter)
         sum_T, target_T = sums_2T[0], sums_2T[1]
         valid_T = (targets_T != IGNORE_INDEX).to(dtype)
-        loss = ((torch.log(sum_T) - (target_T - m_T)) * valid_T).sum() / valid_T.sum()
+        loss = ((torch.log(sum_T) - (target_T - m_T)) * valid_T).sum() / valid_T.sum().clamp(min=1)
         ctx.save_for_backward(exp_Tv, sum_T, local_T, mine_T, valid_T)
         ctx.logits_dtype = logits_Tv.dtype
         return loss
@@ -47,7 +47,7 @@ class _VocabParallelCE(torch.autograd.Function):
         exp_Tv, sum_T, local_T, mine_T, valid_T = ctx.saved_tensors
         g_Tv = exp_Tv / sum_T.unsqueeze(-1)
         g_Tv.scatter_add_(-1, local_T.unsqueeze(-1), -mine_T.to(g_Tv.dtype).unsqueeze(-1))
-        g_Tv *= (grad / valid_T.sum()) * valid_T.unsqueeze(-1)
+        g_Tv *= (grad / valid_T.sum().clamp(min=1)) * valid_T.unsqueeze(-1)
         return g_Tv.to(ctx.logits_dtype), None, None, None
 
 
@@ -58,6 +58,8 @@ def vocab_parallel_cross_entropy(logits_BLv: torch.Tensor, targets_BL: torch.Ten
     Equals F.cross_entropy(gather(logits), targets) but communicates 3·T numbers, not T·V."""
     if _size(group) == 1:
         dtype = torch.promote_types(logits_BLv.dtype, torch.float32)
-        return torch.nn.functional.cross_entropy(logits_BLv.flatten(0, 1).to(dtype),
-                                                 targets_BL.flatten())
+        targets_T = targets_BL.flatten()
+        real = (targets_T != IGNORE_INDEX).sum().clamp(min=1)  # all padding: 0, as lm_loss
+        return torch.nn.functional.cross_entropy(logits_BLv.flatten(0, 1).to(dtype), targets_T,
+                                                 reduction="sum") / real
     return _VocabParallelCE.apply(logits_BLv.flatten(0, 1), targets_BL.flatten(), group, counter)
