@@ -81,8 +81,8 @@ def _dtensor_plan(cfg, *, sp: bool) -> dict:
         if sp:
             plan[pre + "attn_norm"] = SequenceParallel()
             plan[pre + "mlp_norm"] = SequenceParallel()
-            plan[pre + "attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                    desired_input_layouts=(Replicate(), None))
+            plan[pre + "attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                    desired_input_layouts=(Replicate(), None, None))
             plan[pre + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),))
     return plan
