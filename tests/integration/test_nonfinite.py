@@ -3,10 +3,11 @@
 Two real ways to make a step non-finite:
 - a huge learning rate (optim.lr=1e4, no clipping, no warm-up): the second step's gradient norm
   is NaN, deterministically;
-- a poisoned batch: every target of one micro-batch is -100 (ignored), so its mean loss is 0/0 =
-  NaN while its gradients stay finite (zero) — a fully padded batch. Only the loss is
+- a poisoned batch: one micro-batch's loss value is NaN while its gradients stay finite (the
+  loss plus a NaN constant: a fault in the loss that autograd cannot see). Only the loss is
   non-finite, and only on the rank that reads that batch, so the verdict must travel to the
-  other ranks through the norm's all-reduce.
+  other ranks through the norm's all-reduce. (A fully padded micro-batch no longer does it:
+  its weight in the step's token mean is zero, and its loss is 0.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from hpctrain import tasks
 from hpctrain.data.dataset import Sampler, TokenDataset
 from hpctrain.errors import NonFiniteError
 from hpctrain.metrics.logger import read_jsonl
+from hpctrain.ops.documents import IGNORE_INDEX
+from hpctrain.parallel.step import lm_loss
 from tests.conftest import ROOT, make_config
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
@@ -33,10 +36,23 @@ SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=di
 BLOW_UP = ["optim.lr=1e4", "train.grad_clip=0", "optim.warmup_steps=0"]  # step 2: NaN norm
 
 
+def _nan_loss_on_marked(loss_fn):
+    """loss_fn, but NaN-valued (gradients unchanged) on a micro-batch whose rows all start
+    with an ignored target: the mark `poisoned` puts on its batch (real rows never do)."""
+    def loss(logits, targets):
+        out = loss_fn(logits, targets)
+        if bool((targets[:, 0] == IGNORE_INDEX).all()):
+            return out + float("nan") * out.detach()
+        return out
+
+    return loss
+
+
 @contextlib.contextmanager
 def poisoned(data_step: int, *, global_batch: int, dp: int, micro_batch: int = 2,
              seed: int = 1234):
-    """Every target of dp rank 0's first micro-batch of `data_step` (0-based) becomes -100."""
+    """dp rank 0's first micro-batch of `data_step` (0-based) has a NaN loss and finite
+    gradients, in the engine's step and on a pipeline's last stage."""
     real = TokenDataset.rows
 
     def rows(ds, indices):
@@ -45,10 +61,14 @@ def poisoned(data_step: int, *, global_batch: int, dp: int, micro_batch: int = 2
                           micro_batch=micro_batch)
         if (str(ds.tokens.filename).endswith("train.bin")
                 and indices == sampler.indices(data_step, dp_rank=0, micro=0)):
-            targets = torch.full_like(targets, -100)
+            targets = targets.clone()
+            targets[:, 0] = IGNORE_INDEX
         return inputs, targets, docs
 
-    with mock.patch.object(TokenDataset, "rows", rows):
+    bad = _nan_loss_on_marked(lm_loss)
+    with (mock.patch.object(TokenDataset, "rows", rows),
+          mock.patch("hpctrain.parallel.data.engine.lm_loss", bad),
+          mock.patch("hpctrain.parallel.pipeline.stage.lm_loss", bad)):
         yield
 
 

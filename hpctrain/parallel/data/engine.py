@@ -88,8 +88,9 @@ class DataParallel:
                                       norm_groups=norm_groups, grad_replicas=grad_replicas)
 
     def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
-                   grad_clip: float, loss_fn: Callable = lm_loss) -> StepResult:
+                   grad_clip: float, loss_fn: Callable | None = None) -> StepResult:
         device = self.units[0].device
+        loss_fn = lm_loss if loss_fn is None else loss_fn  # None: the model's own loss
         multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         micro_batches = list(micro_batches)
