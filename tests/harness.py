@@ -9,16 +9,28 @@ hanging CI. A rank that raises marks the world broken; the next `run` starts a f
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import traceback
 from typing import Any
 
 
+def _die_with_parent() -> None:
+    """Linux: a rank is SIGKILLed when the test process dies (even killed), instead of living
+    on as an orphan that spins in a collective and loads the machine; elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox) -> None:
+    _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
