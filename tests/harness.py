@@ -29,6 +29,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def _groups() -> set:
+    from torch.distributed import distributed_c10d as c10d  # private: the live groups
+
+    return set(c10d._world.pg_map)
+
+
+def _destroy_new_groups(before: set) -> None:
+    """Destroy the sub-groups a job created (each gloo group keeps threads that poll while
+    idle: hundreds of them in a session-long world took about a core). After the barrier no
+    rank is still using them."""
+    import torch.distributed as dist
+
+    new = [g for g in _groups() - before if g is not dist.group.WORLD]
+    if not new:
+        return
+    dist.barrier()
+    for group in new:
+        dist.destroy_process_group(group)
+
+
 def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox) -> None:
     _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -44,10 +64,15 @@ def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outb
         if job is None:
             break
         fn, args, kwargs = job
+        before = _groups()
         try:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything, including assertion errors
             outbox.put((rank, False, traceback.format_exc()))
+        try:
+            _destroy_new_groups(before)
+        except Exception:  # noqa: BLE001 - a rank that failed the job: end; the next run respawns
+            break
     dist.destroy_process_group()
 
 

@@ -158,7 +158,7 @@ def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
     train = ["parallel=dp2", *SMALL, f"train.steps={steps}", "train.log_every=500",
              "cluster.time_min=2", "cluster.signal_delay_s=30"]
     sweep = tmp_path / "sw"
-    proc = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"], timeout_s=600)
+    proc = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"], timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
     assert "received SIGUSR2" in logs, logs[-3000:]
