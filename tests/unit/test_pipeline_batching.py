@@ -44,7 +44,7 @@ def test_comm_groups_keep_order():
 def test_nccl_check_in_validation(schedule, refused, tmp_path):
     import dataclasses
 
-    from hpctrain.validate import _nccl_p2p_problems
+    from hpctrain.validate_pipeline import _nccl_p2p_problems
     from tests.conftest import make_config
 
     cfg = make_config(["parallel=pp2", "cluster.procs_per_node=2", "model=debug",
