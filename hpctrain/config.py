@@ -62,6 +62,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (zigzag, ring attention)
     cp_comm: Literal["ring", "allgather"] = "ring"  # how key/value shards travel under cp > 1
+    ep: int = 1  # expert parallelism: routed experts sharded over ep ranks inside the dp group
     zero: int = 0  # 0 (plain data parallel) | 1 | 2 | 3
     sp: bool = False  # sequence parallelism (with tp > 1)
     offload: Literal["none", "cpu"] = "none"
@@ -299,6 +300,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if origin is dict and isinstance(value, dict):
         return value
+    if dataclasses.is_dataclass(origin) and isinstance(value, dict):  # a nested group: model.moe
+        built, problems = build_checked(origin, key, value)
+        if problems:
+            raise ValueError("; ".join(p.text for p in problems))
+        return built
     if origin is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if origin is int and isinstance(value, int) and not isinstance(value, bool):

@@ -44,6 +44,8 @@ def defaults_of(cls: type) -> dict[str, Any]:
             value = f.default_factory()
         else:
             continue
+        if dataclasses.is_dataclass(value):  # a nested group (model.moe): its own defaults
+            value = defaults_of(type(value))
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 

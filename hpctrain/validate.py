@@ -202,7 +202,10 @@ def check_not_built(c: Config) -> list[str]:
     todo = {f"parallel.offload={p.offload!r} / parallel.grad_comm_dtype={p.grad_comm_dtype!r} "
             f"with parallel.tp={p.tp} or parallel.pp={p.pp}":
             ((p.offload != "none" or p.grad_comm_dtype != "fp32") and (p.tp > 1 or p.pp > 1),
-             "leave offload=none and grad_comm_dtype=fp32 with tp or pp")}
+             "leave offload=none and grad_comm_dtype=fp32 with tp or pp"),
+            f"parallel.ep={p.ep} (expert parallelism) and model.moe.num_experts="
+            f"{c.model.moe.num_experts} (mixture of experts)":
+            (p.ep != 1 or c.model.moe.enabled, "set parallel.ep=1 and model.moe.num_experts=0")}
     errs = [f"{k} is not implemented yet in this version of hpctrain: {fix}"
             for k, (on, fix) in todo.items() if on and not groups_only]
     if p.zero == 3 and p.pp > 1 and not groups_only:

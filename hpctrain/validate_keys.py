@@ -132,6 +132,7 @@ RANGES: dict[str, Range] = {
     "parallel.tp": positive(),
     "parallel.pp": positive(),
     "parallel.cp": positive(),
+    "parallel.ep": positive(),
     "parallel.zero": Range(lo=0, hi=3, fix="ZeRO stages are 0 (plain data parallel), 1, 2, 3"),
     "parallel.microbatches": positive("or leave it unset (null) to derive it from the batch"),
     "parallel.virtual_stages": positive(),

@@ -6,7 +6,35 @@ tests all read them, and a test checks them against the built model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts in place of the dense MLP of some blocks (`model.moe.*`).
+
+    `num_experts=0` is a dense model (every other key is then ignored). Block i is an MoE block
+    when (i + 1) % every == 0 (every=1: all blocks; every=2: the 2nd, 4th, ...). Each token goes
+    to `top_k` of `num_experts` SwiGLU experts of hidden size `expert_ffn_dim` (0: the model's
+    ffn_dim), plus `shared_experts` experts every token passes through. `capacity_factor=0` is
+    dropless; c > 0 keeps at most ceil(c · tokens · top_k / num_experts) tokens per expert
+    (deterministic dropping, lowest router priority first).
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    every: int = 1
+    shared_experts: int = 0
+    expert_ffn_dim: int = 0
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss
+    z_loss_coef: float = 0.001  # router z-loss (ST-MoE)
+    capacity_factor: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -25,23 +53,45 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tied_embeddings: bool = False
     attention: str = "sdpa"  # a name of the ops.attention registry (validate_keys.REGISTRY_CHOICES)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, SwiGLU MLP, two RMSNorm weights)."""
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe.expert_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has routed experts instead of the dense MLP."""
+        return self.moe.enabled and (layer + 1) % self.moe.every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def layer_params(self, layer: int = 0, *, active: bool = False) -> int:
+        """Parameters of block `layer` (attention, MLP or router + experts, two RMSNorm
+        weights); with `active`, only the experts one token uses (top_k routed + shared)."""
         kv_dim = self.n_kv_heads * self.head_dim
         attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # wq, wo, wk, wv
-        mlp = 3 * self.dim * self.ffn_dim  # w1 (gate), w3 (up), w2 (down)
+        if self.is_moe_layer(layer):
+            m = self.moe
+            routed = m.top_k if active else m.num_experts
+            expert = 3 * self.dim * self.expert_ffn_dim  # w1 (gate), w3 (up), w2 (down)
+            mlp = (routed + m.shared_experts) * expert + self.dim * m.num_experts  # + router
+        else:
+            mlp = 3 * self.dim * self.ffn_dim
         return attn + mlp + 2 * self.dim
 
-    def num_params(self) -> int:
-        """Total parameters of the built model (a tied output head is counted once)."""
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameters of the built model (a tied output head is counted once); with `active`,
+        those one token uses (MoE: top_k of the routed experts)."""
         embed = self.vocab_size * self.dim
         head = 0 if self.tied_embeddings else self.vocab_size * self.dim
-        return embed + self.n_layers * self.layer_params() + self.dim + head
+        blocks = sum(self.layer_params(i, active=active) for i in range(self.n_layers))
+        return embed + blocks + self.dim + head
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward, no recomputation) per token at `seq_len`.
@@ -57,8 +107,10 @@ class ModelConfig:
         """Training FLOPs of `tokens` tokens whose attention spans `attended` query-key pairs
         (unmasked count, as `flops_per_token`): L per token for rows of L tokens, and
         Σ lᵢ² over the documents of a packed batch (lᵢ their lengths), not L² per row.
-        6·W·tokens + 12·n_layers·D·attended."""
-        matmul_weights = self.n_layers * (self.layer_params() - 2 * self.dim)
+        6·W·tokens + 12·n_layers·D·attended, W the active matmul weights (MoE: the router and
+        the top_k + shared experts a token passes through)."""
+        matmul_weights = sum(self.layer_params(i, active=True) - 2 * self.dim
+                             for i in range(self.n_layers))
         matmul_weights += self.vocab_size * self.dim
         return 6 * matmul_weights * tokens + 12 * self.n_layers * self.dim * attended
 
