@@ -97,7 +97,9 @@ def layout_problems(
     problems = []
     moe = getattr(model, "moe", None)
     experts = moe.num_experts if moe is not None else 0
-    if layout.ep > 1 and (experts == 0 or experts % layout.ep):
+    if layout.ep > 1 and experts == 0:
+        problems.append(f"ep={layout.ep} needs routed experts (model.moe.num_experts=0): ep=1")
+    elif layout.ep > 1 and experts % layout.ep:
         problems.append(f"ep={layout.ep} does not divide num_experts={experts}")
     if model.n_heads % layout.tp:
         problems.append(f"n_heads={model.n_heads} not divisible by tp={layout.tp}")

@@ -98,8 +98,10 @@ def test_search_tries_every_ep_dividing_dp_and_the_experts():
 def test_layout_refuses_ep_not_dividing_dp_or_experts():
     with pytest.raises(ValueError, match=r"parallel.ep=3 must be >= 1 and divide parallel.dp=8"):
         Layout(dp=8, ep=3)
-    with pytest.raises(ValueError, match="ep=2 does not divide num_experts=0"):
+    with pytest.raises(ValueError, match=r"ep=2 needs routed experts \(model.moe.num_exp"):
         step_time(PRESETS["llama3_8b"], CLUSTER, layout=Layout(dp=8, ep=2), **RUN)
+    with pytest.raises(ValueError, match="ep=16 does not divide num_experts=8"):
+        step_time(MIXTRAL, CLUSTER, layout=Layout(dp=16, ep=16), **{**RUN, "global_batch": 64})
 
 
 def test_task_plan_prints_ep_and_active_params(tmp_path, caplog):
