@@ -15,6 +15,9 @@ Memory: tp = pp = 1 layouts run on the flat engine, predicted exactly with its p
 (`hpctrain.plan.flat_states`); tp or pp layouts keep fp32 parameters under autocast and
 use torch's AdamW, so they get `model_state_bytes(Ψ_rank, precision='fp32')` — an estimate:
 norm weights are counted as split over tp and AdamW's per-tensor step counters are left out.
+Models with routed experts get the analytical `rank_state_bytes` (experts 1/ep, their ZeRO
+states over dp/ep) in the same precisions: the flat engine's expert units are not modelled
+element by element.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.plan.calibrate import local_cluster, measure_device
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.experts import is_moe
 from hpctrain.plan.flat_states import flat_state_bytes
-from hpctrain.plan.memory import ModelStates, model_state_bytes
+from hpctrain.plan.memory import ModelStates, model_state_bytes, rank_state_bytes
 from hpctrain.plan.shapes import rank_params
 from hpctrain.plan.task import cluster_spec, layout_of
 from hpctrain.plan.time import step_time
@@ -55,6 +59,10 @@ def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSp
 def predicted_states(cfg: Config) -> ModelStates:
     """Model-state bytes on the busiest rank of `cfg`'s layout (module docstring)."""
     p = cfg.parallel
+    if is_moe(cfg.model):
+        flat = p.tp == 1 and p.pp == 1
+        return rank_state_bytes(cfg.model, layout_of(cfg),
+                                precision=cfg.train.precision if flat else "fp32")
     if p.tp == 1 and p.pp == 1:
         return flat_state_bytes(cfg.model, dp=p.dp, zero=p.zero, precision=cfg.train.precision,
                                 bucket_mb=p.bucket_mb, offload=p.offload)

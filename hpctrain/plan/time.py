@@ -16,6 +16,9 @@ Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatche
              (3·cp − 2) key/value shards of 2·b·(s/cp)·K·H_d elements (parallel.context.ring
              .ring_bytes), overlapped with the compute up to all of it; tp, pp and dp terms
              use the rank's s/cp tokens and the dp·cp gradient group
+  comm_ep  = the all-to-all of MoE blocks under ep > 1, and expert gradients reduce over the
+             (dp/ep)·cp ranks holding the same experts (`hpctrain.plan.experts`); compute
+             counts active FLOPs (the top_k + shared experts a token passes through)
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
 The optimizer step and the elementwise kernels are not timed separately: achievable_fraction
 absorbs them. Attention FLOPs are linear in the attended length per token: s for rows of one
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.parallel.context.ring import ring_bytes
+from hpctrain.plan import experts
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
@@ -34,6 +38,7 @@ from hpctrain.plan.memory import state_bytes_per_param
 from hpctrain.plan.shapes import Shape, rank_params, training_flops_per_token
 
 ACT_BYTES = 2  # activations travel in 16 bits (fp32 runs: 4, see `_act_bytes`)
+A2A_PER_LAYER = 4  # MoE dispatch + combine, forward + backward
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class StepTime:
     tflops_per_device: float
     mfu: float
     comm_cp_s: float = 0.0  # exposed ring-attention traffic (0 at cp = 1)
+    comm_ep_s: float = 0.0  # MoE all-to-all (0 for dense models and ep = 1)
 
 
 def ring_time(nbytes: float, *, n: int, bw: float, latency: float, op: str) -> float:
@@ -119,11 +125,23 @@ def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
 
 
 def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
-    """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3)."""
-    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(precision)[1]
+    """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3); routed
+    experts' Ψ_E/(pp·ep) over their own (dp/ep)·cp group, whose members are ep·cp·tp apart."""
+    g_b = state_bytes_per_param(precision)[1]
+    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * g_b
     n = layout.dp * layout.cp  # gradients of replicated parameters reduce over dp×cp
     bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
-    gathers = 2 if layout.zero == 3 else 1
+    total = _reduce_gather(nbytes, n=n, bw=bw, lat=lat, zero=layout.zero)
+    expert_bytes = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp) * g_b
+    if expert_bytes:
+        bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep, dp=layout.dp // layout.ep)
+        total += _reduce_gather(expert_bytes, n=layout.dp // layout.ep * layout.cp, bw=bw,
+                                lat=lat, zero=layout.zero)
+    return total
+
+
+def _reduce_gather(nbytes: float, *, n: int, bw: float, lat: float, zero: int) -> float:
+    gathers = 2 if zero == 3 else 1
     rs = ring_time(nbytes, n=n, bw=bw, latency=lat, op="reduce_scatter")
     ag = ring_time(nbytes, n=n, bw=bw, latency=lat, op="all_gather")
     return rs + gathers * ag
@@ -140,6 +158,18 @@ def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
                         cp=layout.cp) / (3 * layout.cp - 2)
     bw, lat = tp_link(cluster, layout.tp * layout.cp)
     return m * model.n_layers / layout.pp * (3 * layout.cp - 2) * (nbytes / bw + lat)
+
+
+def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, precision) -> float:
+    """m · (MoE blocks / pp) · (4, or 6 with full recompute) all-to-alls of T·k'·h tokens' bytes
+    (`experts.a2a_bytes`, `experts.a2a_time`); 0 for dense models and ep = 1."""
+    if not experts.is_moe(model) or layout.ep == 1:
+        return 0.0
+    k = A2A_PER_LAYER + (2 if recompute == "full" else 0)
+    tokens = experts.rank_tokens(layout, seq_len=seq_len, micro_batch_size=mbs)
+    nbytes = experts.a2a_bytes(model, tokens=tokens, ep=layout.ep,
+                               elem_bytes=_act_bytes(precision))
+    return m * model.n_moe_layers / layout.pp * k * experts.a2a_time(nbytes, cluster, layout)
 
 
 def step_time(
@@ -169,10 +199,11 @@ def step_time(
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     pp = pp_comm_s(model, cluster, layout, **kw)
     cp = max(0.0, cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len}) - compute)
+    ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
     frac = bubble_fraction(layout.schedule, pp=layout.pp, m=m, v=layout.virtual_stages)
-    bubble = (compute + tp + pp + cp) * frac / (1.0 - frac)
+    bubble = (compute + tp + pp + cp + ep) * frac / (1.0 - frac)
     dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
-    total = compute + tp + pp + cp + bubble + dp
+    total = compute + tp + pp + cp + ep + bubble + dp
     model_flops = tokens * model.flops_per_token(attn)
     return StepTime(
         step_time_s=total,
@@ -186,4 +217,5 @@ def step_time(
         tflops_per_device=executed / n / total / 1e12,
         mfu=model_flops / n / total / peak,
         comm_cp_s=cp,
+        comm_ep_s=ep,
     )
