@@ -30,9 +30,29 @@ def test_cp4_loss_and_grads_equal_single_fp64(world4, attention, documents):
 
 
 @pytest.mark.parametrize("documents", [False, True])
+def test_cp2_triton_kernel_blocks_equal_single_fp64(world2, documents):
+    """model.attention=triton: every block (diagonal: causal; earlier key chunk: not, with
+    rows that see none of it) is hpctrain's kernel, forward and backward, under Triton's
+    interpreter."""
+    for r in world2.run(h.cp_triton_equals_single, documents):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+        assert r["blocks"] > 0
+
+
+@pytest.mark.parametrize("documents", [False, True])
 def test_allgather_transport_equals_single_fp64(world4, documents):
     for r in world4.run(h.cp_equals_single, "sdpa", documents, transport="allgather"):
         assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_cp2_activation_checkpointing_equals_single_fp64(world2, checkpointing):
+    """Full recompute reruns each layer's ring forward in backward (cp − 1 more shards sent
+    per layer); selective leaves ring attention as it is (nothing more sent)."""
+    for r in world2.run(h.cp_equals_single, "eager", True, checkpointing=checkpointing):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+        assert r["bytes"] == 2 * h.ring_bytes(batch=2, kv_heads=2, shard_len=16, head_dim=8,
+                                              elem_bytes=8, cp=2, recompute=checkpointing)
 
 
 def test_zigzag_balances_the_blocks_each_rank_computes(world4):
