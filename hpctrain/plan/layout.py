@@ -12,6 +12,7 @@ from hpctrain.distributed.dims import ParallelDims
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
+CpComm = Literal["ring", "allgather"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -34,6 +35,7 @@ class Layout:
     sp: bool = False
     schedule: str = "1f1b"
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    cp_comm: CpComm = "ring"  # how key/value shards travel under cp > 1 (parallel.cp_comm)
 
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # degrees >= 1
@@ -41,6 +43,8 @@ class Layout:
             raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload={self.offload!r} must be 'none' or 'cpu'")
+        if self.cp_comm not in ("ring", "allgather"):
+            raise ValueError(f"cp_comm={self.cp_comm!r} must be 'ring' or 'allgather'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
         v = self.virtual_stages
@@ -64,6 +68,7 @@ class Layout:
         """Short label, e.g. 'dp4 tp2 pp2 v1 z1 1f1b sp'."""
         extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
         extras += f" cp{self.cp}" if self.cp > 1 else ""
+        extras += " allgather" if self.cp > 1 and self.cp_comm == "allgather" else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "
             f"{self.schedule}{extras}"
