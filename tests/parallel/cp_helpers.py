@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,15 @@ def tiny_cfg(attention: str, *, n_layers: int = 2, heads: tuple[int, int] = (4, 
 
 
 def interpret_triton() -> None:
-    """Run this rank's Triton kernels under the CPU interpreter. Ranks are spawned from the
-    test process, whose TRITON_INTERPRET (tests/unit/conftest.py) may come after the world
-    or never; Triton reads the setting when a kernel module is first imported."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+    """Fail fast unless this rank's Triton kernels can run under the CPU interpreter. A
+    process fixes the mode when it first imports triton; ranks inherit TRITON_INTERPRET=1 from
+    the test process (tests/conftest.py, on machines without CUDA)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise RuntimeError("this rank imported triton without TRITON_INTERPRET=1: start the "
+                           "world from a process that has it set (tests/conftest.py does)")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def batch(L: int, *, documents: bool):

@@ -7,7 +7,7 @@ last query tile (whose later rows must stay masked from it) | one document | two
 where the triton kernels skip the mask inside a document: forward/dq on row 2 (keys
 32-63 for rows 64-69, in a document starting at 4), dk/dv on row 3 (rows 32-63 for keys 0-31,
 in a document ending at 64 < L). Inputs have the model's layout (a transposed B L N H buffer).
-All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/unit/conftest.py sets
+All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 on machines without CUDA; its kernels accumulate in fp64 for fp64 inputs) —
 plus triton in fp32, the dtype CPU training uses; flex forward only (no CPU backward).
 flash-attn has no CPU kernels: its glue (flattening, cu_seqlens) runs against a stand-in module
