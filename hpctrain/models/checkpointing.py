@@ -13,14 +13,14 @@ hpctrain.ops.linear): the W action needs nothing else.
 Under context parallelism (hpctrain.parallel.context) `full` reruns each block's ring attention
 in backward, communication included: every cp rank recomputes the same layer at the same point
 of its backward (the ranks walk the same layers in the same order), forward and backward
-traffic carry separate tags, and the ring merges its blocks in a fixed order, so the recomputed
-output and log-sum-exp are bitwise the first ones. That costs (cp − 1) key/value shards per
-layer more (counted in comm_cp_bytes and the planner), and keeps full's promise of holding only
-block inputs. The alternative, keeping the ring's own output and log-sum-exp through the
-recompute, would hold about another block input per layer. `selective` leaves a core whose
-class sets `selective_recompute = False` (ring attention) as it is: it keeps no score matrix
-(only q, k/v, its output and log-sum-exp, as FlashAttention does), so recomputing it would
-rerun the ring to free almost nothing.
+traffic carry separate tags, and the ring merges its blocks in a fixed order, so the recompute
+reproduces the first forward's output and log-sum-exp (the fp64 cp=2 tests check it). That
+costs (cp − 1) key/value shards per layer more (counted in comm_cp_bytes and the planner), and
+keeps full's promise of holding only block inputs. The alternative, keeping the ring's own
+output and log-sum-exp through the recompute, would hold about another block input per layer.
+`selective` leaves a core whose class sets `selective_recompute = False` (ring attention) as it
+is: it keeps no score matrix (only q, k/v, its output and log-sum-exp, as FlashAttention does),
+so recomputing it would rerun the ring to free almost nothing.
 """
 
 from __future__ import annotations

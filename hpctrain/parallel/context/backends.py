@@ -5,7 +5,8 @@ lse, D) → (dq, dk, dv)), with `block` a blocks.Block. `eager` (and the backend
 block form: flex, flash) use the eager math of blocks.py; `sdpa` torch's fused CPU forward
 (sdpa_lse.py) with the eager backward; `triton` hpctrain's FlashAttention-2 kernels in both
 directions (ops/triton_attention_block.py), which build each block's mask from the chunks'
-document ids and never hold a C×C matrix.
+document ids inside their tiles (ring.block_mask still forms the boolean B×C×C mask, to skip
+empty blocks) and never hold a C×C score matrix.
 """
 
 from __future__ import annotations
