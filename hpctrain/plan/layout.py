@@ -12,6 +12,7 @@ from hpctrain.distributed.dims import ParallelDims
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
+CpComm = Literal["ring", "allgather"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -36,6 +37,7 @@ class Layout:
     schedule: str = "1f1b"
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ep: int = 1  # expert parallelism inside dp (hpctrain.plan.experts)
+    cp_comm: CpComm = "ring"  # how key/value shards travel under cp > 1 (parallel.cp_comm)
 
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # degrees >= 1
@@ -43,6 +45,8 @@ class Layout:
             raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload={self.offload!r} must be 'none' or 'cpu'")
+        if self.cp_comm not in ("ring", "allgather"):
+            raise ValueError(f"cp_comm={self.cp_comm!r} must be 'ring' or 'allgather'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
         if self.ep < 1 or self.dp % self.ep:
@@ -71,6 +75,7 @@ class Layout:
         extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
         extras += f" cp{self.cp}" if self.cp > 1 else ""
         extras += f" ep{self.ep}" if self.ep > 1 else ""
+        extras += " allgather" if self.cp > 1 and self.cp_comm == "allgather" else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "
             f"{self.schedule}{extras}"

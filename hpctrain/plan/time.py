@@ -12,10 +12,21 @@ Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatche
   bubble   = busy · f/(1 − f), busy = compute + comm_tp + comm_pp, f = bubble_fraction(...)
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
-  comm_cp  = max(0, ring − compute): ring attention sends, per layer and microbatch,
-             (3·cp − 2) key/value shards of 2·b·(s/cp)·K·H_d elements (parallel.context.ring
-             .ring_bytes), overlapped with the compute up to all of it; tp, pp and dp terms
-             use the rank's s/cp tokens and the dp·cp gradient group
+  comm_cp  = the cp traffic per layer and microbatch, in key/value shards of 2·b·(s/cp)·K·H_d
+             elements (parallel.context.ring.ring_shards; + (cp − 1) with full recompute,
+             which reruns the forward's traffic), by transport (parallel.cp_comm):
+             ring       (3·cp − 2) sends to the next cp rank, each posted before the blocks
+                        it overlaps: exposed max(0, ring − compute)
+             allgather  an all-gather of the cp shards forward, again in backward, and a
+                        reduce-scatter of their gradients: 3·(cp − 1) shards by the ring
+                        formula, with no overlap (each collective is waited on before the
+                        blocks that need it, or after those that produce it): exposed in full
+             Under this model the all-gather moves one shard less per layer but hides none
+             of it: it is the cheaper transport only when the compute is shorter than one
+             shard's send. What favours it in practice (GQA's few kv heads making per-step
+             sends too small to overlap usefully, 3 collectives instead of 3·cp − 1 p2p steps)
+             is below this model's resolution.
+             The tp, pp and dp terms use the rank's s/cp tokens and the dp·cp gradient group
   comm_ep  = the all-to-all of MoE blocks under ep > 1, and expert gradients reduce over the
              (dp/ep)·cp ranks holding the same experts (`hpctrain.plan.experts`); compute
              counts active FLOPs (the top_k + shared experts a token passes through)
@@ -29,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.context.ring import ring_bytes
+from hpctrain.parallel.context.ring import ring_shards
 from hpctrain.plan import experts
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
@@ -147,17 +158,33 @@ def _reduce_gather(nbytes: float, *, n: int, bw: float, lat: float, zero: int) -
     return rs + gathers * ag
 
 
-def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> float:
-    """m · (l/pp) ring-attention layers, each (3·cp − 2) shard sends to the next cp rank
-    (cp ranks sit inside tp·cp consecutive ranks: NVLink while that fits in a node)."""
-    if layout.cp == 1:
+def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision,
+              recompute: str = "none") -> float:
+    """Seconds of cp traffic per step, before overlap: m · (l/pp) attention layers, each
+    moving ring_shards key/value shards (cp ranks sit inside tp·cp consecutive ranks: NVLink
+    while that fits in a node). ring: that many sends to the next cp rank; allgather: the
+    all-gathers (2, 3 with full recompute) and the reduce-scatter of cp shards."""
+    cp = layout.cp
+    if cp == 1:
         return 0.0
     kv_heads = max(1, getattr(model, "n_kv_heads", model.n_heads) // layout.tp)
-    nbytes = ring_bytes(batch=mbs, kv_heads=kv_heads, shard_len=seq_len // layout.cp,
-                        head_dim=model.dim // model.n_heads, elem_bytes=_act_bytes(precision),
-                        cp=layout.cp) / (3 * layout.cp - 2)
-    bw, lat = tp_link(cluster, layout.tp * layout.cp)
-    return m * model.n_layers / layout.pp * (3 * layout.cp - 2) * (nbytes / bw + lat)
+    shard = 2 * mbs * kv_heads * (seq_len // cp) * (model.dim // model.n_heads) \
+        * _act_bytes(precision)
+    bw, lat = tp_link(cluster, layout.tp * cp)
+    if layout.cp_comm == "allgather":
+        gathers = 3 if recompute == "full" else 2
+        one = ring_time(cp * shard, n=cp, bw=bw, latency=lat, op="all_gather")
+        layer = gathers * one + ring_time(cp * shard, n=cp, bw=bw, latency=lat,
+                                          op="reduce_scatter")
+    else:
+        layer = ring_shards(cp=cp, recompute=recompute) * (shard / bw + lat)
+    return m * model.n_layers / layout.pp * layer
+
+
+def cp_exposed_s(traffic_s: float, *, compute_s: float, transport: str) -> float:
+    """The part of the cp traffic the step waits for: the ring's sends overlap the compute
+    (up to all of it); the all-gather's collectives overlap nothing."""
+    return traffic_s if transport == "allgather" else max(0.0, traffic_s - compute_s)
 
 
 def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, precision) -> float:
@@ -198,7 +225,9 @@ def step_time(
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     pp = pp_comm_s(model, cluster, layout, **kw)
-    cp = max(0.0, cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len}) - compute)
+    cp_traffic = cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len},
+                           recompute=recompute)
+    cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)
     ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
     frac = bubble_fraction(layout.schedule, pp=layout.pp, m=m, v=layout.virtual_stages)
     bubble = (compute + tp + pp + cp + ep) * frac / (1.0 - frac)
