@@ -4,7 +4,9 @@ One object per rank owns the units (flat buffers), the GradReducer, the ShardedA
 zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
 each micro-batch's mean loss is weighted by its real tokens (hpctrain.parallel.step
 `loss_divisors`: the step's loss is the mean over every real token of the global batch),
-micro-batches run under `reducer.no_sync()` except the last of the accumulation window, then
+an MoE model's router losses (aux + z, hpctrain.models.moe) join each micro-batch's loss
+before that division (the reported loss is the LM loss alone), micro-batches run under
+`reducer.no_sync()` except the last of the accumulation window, then
 the reduction is finished explicitly, the loss is averaged over dp, overflow is agreed by all
 ranks (fp16), and the sharded optimizer clips by the global norm and updates — unless the loss
 or the norm is non-finite (hpctrain.parallel.finite): then no rank updates, and the result
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.models.moe import take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
@@ -103,7 +106,9 @@ class DataParallel:
                 with autocast(precision, device):
                     logits = self.model(inputs_BL.to(device), docs=docs)
                 loss = loss_fn(logits, targets_BL.to(device)) / divisor
-                (loss * multiplier).backward()
+                router = take_router_loss(self.model)  # MoE aux + z: weighted as the LM loss
+                total = loss if router is None else loss + router / divisor
+                (total * multiplier).backward()
             loss_sum += loss.detach().double()
         return self.reduce_and_update(scaler=scaler, multiplier=multiplier,
                                       grad_clip=grad_clip, loss=loss_sum)
