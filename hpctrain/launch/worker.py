@@ -78,7 +78,7 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
                         timeout_s=cfg.cluster.timeout_s)
     try:
         p = cfg.parallel
-        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         mesh = build_mesh(dims, rank=rank, device=device, timeout=timeout, heartbeat=watchdog)
         with watchdog:
             return task(cfg, mesh)

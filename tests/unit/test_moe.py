@@ -117,3 +117,43 @@ def test_debug_moe_preset_validates():
     cfg = make_config(["model=debug_moe", "parallel.dp=2", "parallel.ep=2",
                        "cluster.procs_per_node=2"])
     assert cfg.model.moe.num_experts == 8 and cfg.parallel.ep == 2
+
+
+def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
+    """CV of tokens per expert at each step of a short run (one process, fixed seeds) whose
+    router starts biased: experts 0 and 1 get + 2·(the mean router input's direction)."""
+    from hpctrain.config import OptimConfig
+    from hpctrain.parallel.data.engine import DataParallel
+    from hpctrain.parallel.scaler import LossScaler
+
+    cfg = moe_cfg(num_experts=8, aux_loss_coef=aux_coef, z_loss_coef=0.0).with_(n_layers=2)
+    model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, cfg.vocab_size, (8, 33), generator=g) for _ in range(steps)]
+    layer, seen = model.layers[1].mlp, []
+    hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten(0, 1).mean(0)))
+    with torch.no_grad():
+        model(rows[0][:, :-1])
+        layer.router.weight[:2] += 2 * seen[0] / seen[0].norm()
+    hook.remove()
+    engine = DataParallel(model, group=None, zero=0, precision="fp32",
+                          optim=OptimConfig(lr=1e-3, weight_decay=0.0))
+    cvs = []
+    for r in rows:
+        engine.train_step([(r[:, :-1], r[:, 1:])], n_micro=1, precision="fp32",
+                          scaler=LossScaler(enabled=False), grad_clip=1.0)
+        counts = take_moe_stats(model)[0].routed_E.double()
+        cvs.append(float(counts.std(correction=0) / counts.mean()))
+    return cvs
+
+
+def test_aux_loss_balances_the_router_and_its_absence_does_not():
+    """20 steps from a biased router: with the aux loss the CV of tokens per expert falls
+    below 0.4× its first value (measured ~0.2×: 0.92 → 0.18), without it stays above 0.5×
+    (measured ~0.85×: 0.92 → 0.78), and the two end states are far apart."""
+    on, off = _balance_run(0.1), _balance_run(0.0)
+    end_on, end_off = sum(on[-5:]) / 5, sum(off[-5:]) / 5
+    assert on[0] == off[0] > 0.5  # the same biased start
+    assert end_on < 0.4 * on[0], on
+    assert end_off > 0.5 * off[0], off
+    assert end_on < 0.5 * end_off

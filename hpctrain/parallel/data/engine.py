@@ -43,6 +43,7 @@ from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
 from hpctrain.parallel.memory import storage_bytes
+from hpctrain.parallel.moe import ExpertGroups
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import (
     StepResult,
@@ -65,25 +66,52 @@ def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, el
     return groups
 
 
+def _expert_norm(named, experts: ExpertGroups, norm_groups: tuple,
+                 grad_replicas: dict[int, int] | None) -> tuple[tuple, dict[int, int]]:
+    """zero = 0 with expert parallelism: the clip norm also sums over the ep group (its
+    ranks hold different experts), where every dense parameter is held ep times (counted
+    1/ep each). With zero ≥ 1 the sum over dp already counts each element once: dense
+    shards are disjoint over dp, expert shards over (ep, expert-data) = dp."""
+    ep = group_size(experts.ep_group)
+    replicas = dict(grad_replicas or {})
+    for _, p in named:
+        if id(p) not in experts.params:
+            replicas[id(p)] = replicas.get(id(p), 1) * ep
+    return (*norm_groups, experts.ep_group), replicas
+
+
 class DataParallel:
     def __init__(self, model: torch.nn.Module, *, group, zero: int, precision: str, optim,
                  bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none",
                  pre_reduce: Callable[[], None] | None = None, norm_groups: tuple = (),
-                 grad_replicas: dict[int, int] | None = None):
+                 grad_replicas: dict[int, int] | None = None,
+                 experts: ExpertGroups | None = None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if experts is not None and zero == 3:
+            raise ValueError("parallel.zero=3 with parallel.ep > 1 is not implemented yet: use "
+                             "parallel.zero=0, 1 or 2 with ep > 1")
+        if experts is not None and zero == 0:  # see _expert_norm
+            norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
         # Overflow must be agreed by every rank that steps together: the dp group alone only
         # when the units hold the whole model, else every rank (tp/pp shards step together).
         split = any(group_size(g) > 1 for g in norm_groups)
         self.overflow_group = dist.group.WORLD if split else group
         dp, rank = group_size(group), group_rank(group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
-        groups = _groups(model, named, zero=zero, bucket_bytes=bucket_mb * 2**20,
-                         elem=dtype.itemsize)
+        is_expert = (lambda p: id(p) in experts.params) if experts else (lambda p: False)
+        kw = dict(zero=zero, bucket_bytes=bucket_mb * 2**20, elem=dtype.itemsize)
+        dense = _groups(model, [(n, p) for n, p in named if not is_expert(p)], **kw)
         self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype)
-                      for i, g in enumerate(groups)]
+                      for i, g in enumerate(dense)]
+        if experts is not None:  # reduced and sharded over the ranks holding the same experts
+            for g in _groups(model, [(n, p) for n, p in named if is_expert(p)], **kw):
+                self.units.append(FlatUnit(
+                    len(self.units), g, dp=group_size(experts.group),
+                    rank=group_rank(experts.group), zero=zero, dtype=dtype,
+                    group=experts.group, grad_divisor=experts.divisor))
         self.zero3 = Zero3Params(model, self.units, group=group) if zero == 3 else None
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
