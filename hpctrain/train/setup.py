@@ -1,8 +1,9 @@
 """Set-up of one rank: the model for this layout and its `ParallelState`, built once.
 
 Order matters and lives only here: build the model (or, with pp > 1, the pipeline's stages),
-shard it over tp, shard its routed experts over ep, wrap it for activation checkpointing, move
-it to the device, then build the data-parallel engine over the finished parameters (the engine
+shard its routed experts over ep, shard it over tp (which then sees the experts' final
+parameters, kept whole on every tp rank), wrap it for activation checkpointing, move it to the
+device, then build the data-parallel engine over the finished parameters (the engine
 flattens them; expert parameters get their own units over the ranks holding the same experts),
 and finally derive the shard spec from the plan, the stages and the engine
 (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
@@ -36,13 +37,13 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
         model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
+        experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts
         plan = setup_tensor_parallel(model, cfg, mesh)
         cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                            backend=cfg.model.attention)
         # cp > 1: attention over the cp ring (or all-gathered key/value shards)
         apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-        experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts
         model.to(mesh.device)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
     # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
