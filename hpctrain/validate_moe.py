@@ -35,14 +35,11 @@ def check_moe(c: Config) -> list[str]:
         if value > 1:
             errs.append(f"{key}={value} with model.moe.num_experts={m.num_experts} is not "
                         f"implemented yet in this version of hpctrain: set {key}=1 (experts "
-                        "compose with dp, ZeRO 0-2, tp without sp and parallel.ep)")
+                        "compose with dp, ZeRO 0-3, tp without sp and parallel.ep)")
     if p.tp > 1 and p.sp:
         errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
                     f"{m.num_experts} is not implemented yet (the experts run whole on the "
                     "replicated sequence): set parallel.sp=false")
-    if p.ep > 1 and p.zero == 3:
-        errs.append(f"parallel.zero=3 with parallel.ep={p.ep} is not implemented yet: use "
-                    "parallel.zero=0, 1 or 2 with ep > 1 (or ep=1 with zero=3)")
     if c.train.activation_checkpointing != "none":
         errs.append(f"train.activation_checkpointing={c.train.activation_checkpointing} with "
                     f"model.moe.num_experts={m.num_experts} is not implemented yet (the "

@@ -124,8 +124,10 @@ def ep_trajectory(ep: int, *, zero: int, steps: int = 3):
                  for m in rank_micro_batches(step, dp=dp, rank=r, accum=1, vocab=512)]
         reference_step(ref, opt, every, n_micro=dp, grad_clip=1.0,
                        loss_fn=lambda lg, y: lm_loss(lg, y) + take_router_loss(ref))
+    from hpctrain.parallel.data.state import full_model_state
+
     ep_rank = group_rank(mesh.ep)
-    named = dict(model.named_parameters())
+    named = full_model_state(engine)  # masters gathered over each unit's group (ZeRO-3 too)
     return max(float((named[n] - _local(n, p, ep=ep, ep_rank=ep_rank)).abs().max())
                for n, p in ref.named_parameters())
 

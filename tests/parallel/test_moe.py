@@ -31,7 +31,7 @@ def test_capacity_drops_the_same_tokens_as_single_process(world2):
         assert loss_err < 1e-12 and grad_err < 1e-12 and norm_err < 1e-12
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_ep2_dp2_zero_trajectory_equals_single_process_fp32(world4, zero):
     for err in world4.run(h.ep_trajectory, 2, zero=zero):
         assert err < 1e-5, err

@@ -66,6 +66,19 @@ def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, el
     return groups
 
 
+def _expert_groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float,
+                   elem: int) -> list[tuple[int | None, list]]:
+    """(block index or None, parameters) of the expert units: buckets (zero < 3) or, for
+    ZeRO-3, one unit per block holding experts (gathered and freed with that block)."""
+    if zero < 3:
+        return [(None, g) for g in size_groups(list(reversed(named)), bucket_bytes=bucket_bytes,
+                                               bytes_per_elem=elem)]
+    block_of = {id(p): i for i, b in enumerate(model.layers) for p in b.parameters()}
+    groups = [(i, [(n, p) for n, p in named if block_of.get(id(p)) == i])
+              for i in range(len(model.layers))]
+    return [(i, g) for i, g in groups if g]
+
+
 def _expert_norm(named, experts: ExpertGroups, norm_groups: tuple,
                  grad_replicas: dict[int, int] | None) -> tuple[tuple, dict[int, int]]:
     """zero = 0 with expert parallelism: the clip norm also sums over the ep group (its
@@ -90,9 +103,6 @@ class DataParallel:
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if experts is not None and zero == 3:
-            raise ValueError("parallel.zero=3 with parallel.ep > 1 is not implemented yet: use "
-                             "parallel.zero=0, 1 or 2 with ep > 1")
         if experts is not None and zero == 0:  # see _expert_norm
             norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
         # Overflow must be agreed by every rank that steps together: the dp group alone only
@@ -106,13 +116,18 @@ class DataParallel:
         dense = _groups(model, [(n, p) for n, p in named if not is_expert(p)], **kw)
         self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype)
                       for i, g in enumerate(dense)]
+        block_units = {}  # ZeRO-3: block + 1 → its expert unit, gathered with the block
         if experts is not None:  # reduced and sharded over the ranks holding the same experts
-            for g in _groups(model, [(n, p) for n, p in named if is_expert(p)], **kw):
+            for block, g in _expert_groups(model, [(n, p) for n, p in named if is_expert(p)],
+                                           **kw):
+                if block is not None:
+                    block_units[block + 1] = len(self.units)
                 self.units.append(FlatUnit(
                     len(self.units), g, dp=group_size(experts.group),
                     rank=group_rank(experts.group), zero=zero, dtype=dtype,
                     group=experts.group, grad_divisor=experts.divisor))
-        self.zero3 = Zero3Params(model, self.units, group=group) if zero == 3 else None
+        self.zero3 = (Zero3Params(model, self.units, group=group, experts=block_units)
+                      if zero == 3 else None)
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
         self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
