@@ -35,6 +35,7 @@ from hpctrain.validate_keys import (
     config_range_problems,
     range_problems,
 )
+from hpctrain.validate_moe import check_moe
 from hpctrain.validate_pipeline import (
     ONE_F_ONE_B_FAMILY,
     _errors_of,
@@ -202,10 +203,7 @@ def check_not_built(c: Config) -> list[str]:
     todo = {f"parallel.offload={p.offload!r} / parallel.grad_comm_dtype={p.grad_comm_dtype!r} "
             f"with parallel.tp={p.tp} or parallel.pp={p.pp}":
             ((p.offload != "none" or p.grad_comm_dtype != "fp32") and (p.tp > 1 or p.pp > 1),
-             "leave offload=none and grad_comm_dtype=fp32 with tp or pp"),
-            f"parallel.ep={p.ep} (expert parallelism) and model.moe.num_experts="
-            f"{c.model.moe.num_experts} (mixture of experts)":
-            (p.ep != 1 or c.model.moe.enabled, "set parallel.ep=1 and model.moe.num_experts=0")}
+             "leave offload=none and grad_comm_dtype=fp32 with tp or pp")}
     errs = [f"{k} is not implemented yet in this version of hpctrain: {fix}"
             for k, (on, fix) in todo.items() if on and not groups_only]
     if p.zero == 3 and p.pp > 1 and not groups_only:
@@ -290,6 +288,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_device: ("cluster.", "train."),
     check_attention: ("model.attention", "cluster.", "train.precision"),
     check_not_built: ("parallel.", "bench"),
+    check_moe: ("model.moe.", "parallel.", "train.activation_checkpointing"),
     check_schedule: _BATCH,
     check_pipeline: (*_BATCH, *_SHAPE, "train.activation_checkpointing", "cluster."),
     check_cluster_spec: ("cluster.",),
@@ -302,8 +301,8 @@ DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, che
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
-                             check_not_built, check_schedule, check_pipeline, check_cluster_spec,
-                             check_bench)
+                             check_not_built, check_moe, check_schedule, check_pipeline,
+                             check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,
     "bench": CHECKS,

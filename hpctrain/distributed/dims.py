@@ -8,6 +8,11 @@ compute, so cp·tp ranks fill a node before cp spills onto InfiniBand); dp (one 
 reduction per step) and pp (point-to-point activations only) are outermost and cross nodes.
 Context-parallel peers are tp apart, data-parallel peers cp·tp apart, pipeline stages dp·cp·tp
 apart. This is Megatron-Core's order (tp, cp, dp, pp from fastest to slowest).
+
+Expert parallelism is not a fifth factor of the world: ep divides dp, and the ep group of a
+rank is ep consecutive dp coordinates (dp_i // ep the same: the nearest data-parallel peers,
+cp·tp ranks apart), holding disjoint experts. The expert-data group (`edp_ranks`) is the dp
+ranks with the same dp_i % ep: they hold the same experts and reduce their gradients.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism, inside dp (module docstring)
 
     def __post_init__(self) -> None:
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp="
+                             f"{self.dp}: choose ep among the divisors of dp")
 
     @property
     def world_size(self) -> int:
@@ -75,6 +84,19 @@ class ParallelDims:
         for r in range(self.world_size):
             seen.setdefault(tuple(self.dp_cp_ranks(r)), None)
         return [list(g) for g in seen]
+
+    def ep_ranks(self, rank: int) -> list[int]:
+        """The ep group of `rank`: ep consecutive dp coordinates, same pp, cp, tp."""
+        c = self.coords(rank)
+        first = c["dp"] // self.ep * self.ep
+        return [self.rank_of(pp=c["pp"], dp=d, cp=c["cp"], tp=c["tp"])
+                for d in range(first, first + self.ep)]
+
+    def edp_ranks(self, rank: int) -> list[int]:
+        """The dp ranks holding `rank`'s experts: dp coordinates ≡ dp_i (mod ep)."""
+        c = self.coords(rank)
+        return [self.rank_of(pp=c["pp"], dp=d, cp=c["cp"], tp=c["tp"])
+                for d in range(c["dp"] % self.ep, self.dp, self.ep)]
 
     def all_groups(self, axis: Axis) -> list[list[int]]:
         """Every group along `axis`, each listed once, in a fixed order (new_group needs it)."""

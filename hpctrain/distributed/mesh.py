@@ -9,6 +9,12 @@ An axis of degree 1 is a group of one rank, never None: code that can skip a col
 is still correct. `None` for a group means only "no process group at all" (a single process
 without torch.distributed, e.g. a unit test) and is treated like a size-1 group by the helpers
 here; it never means "the whole world" — that is spelled `dist.group.WORLD`.
+
+Expert parallelism adds two groups inside dp (ParallelDims.ep_ranks / edp_ranks): `ep`, ep
+consecutive dp coordinates (dp_i // ep equal) holding disjoint experts and exchanging tokens
+by all-to-all, and `edp`, the dp ranks with the same dp_i % ep, holding the same experts and
+reducing their gradients. Example, dp=4 ep=2 (tp=cp=pp=1): ep groups {0,1} {2,3}, edp groups
+{0,2} {1,3}.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ class Mesh:
     # The dp×cp group (gradient reduction and ZeRO sharding of replicated parameters); the dp
     # group itself at cp = 1.
     dp_cp: dist.ProcessGroup | None = None
+    # Expert parallelism (dims.ep; ParallelDims says the order): `ep` holds disjoint experts
+    # (size 1 at ep = 1), `edp` the same experts (the dp group at ep = 1).
+    ep: dist.ProcessGroup | None = None
+    edp: dist.ProcessGroup | None = None
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         """The group along `axis`: of size 1 when the axis has degree 1 (callers skip their
@@ -84,7 +94,27 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
                 mesh.dp_cp = group
     elif dims.cp > 1:
         mesh.dp_cp = mesh.groups["cp"]
+    _expert_groups(mesh, timeout)
     return mesh
+
+
+def _expert_groups(mesh: Mesh, timeout: datetime.timedelta) -> None:
+    """mesh.ep and mesh.edp (ParallelDims.ep_ranks / edp_ranks), each made by every rank in
+    the same order; at ep = 1 the rank's own group and the dp×cp group."""
+    dims, rank = mesh.dims, mesh.rank
+    mesh.edp = mesh.dp_cp
+    if dims.ep == 1:
+        mesh.ep = dist.new_group([rank], timeout=timeout, group_desc="ep",
+                                 use_local_synchronization=True)
+        return
+    for kind, ranks_of in (("ep", dims.ep_ranks), ("edp", dims.edp_ranks)):
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(dims.world_size):
+            seen.setdefault(tuple(ranks_of(r)), None)
+        for ranks in seen:
+            group = dist.new_group(list(ranks), timeout=timeout, group_desc=kind)
+            if rank in ranks:
+                setattr(mesh, kind, group)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -80,7 +80,7 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
     finished = False
     try:
         p = cfg.parallel
-        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         mesh = build_mesh(dims, rank=rank, device=device, timeout=timeout, heartbeat=watchdog)
         with watchdog:
             result = task(cfg, mesh)

@@ -133,9 +133,9 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("llama3_8b", 128256, 4096, 32, 32, 8, 14336, 8192, rope_theta=500000.0),
         ModelConfig("llama3_70b", 128256, 8192, 80, 64, 8, 28672, 8192, rope_theta=500000.0),
         ModelConfig("llama3_405b", 128256, 16384, 126, 128, 8, 53248, 8192, rope_theta=500000.0),
-        # Tiny routed-experts model for CPU runs and tests.
+        # Tiny routed-experts model for CPU runs and tests: 8 experts (top 2) in every 2nd block.
         ModelConfig("debug_moe", _BYTE_VOCAB, 32, 4, 4, 2, 96, 128,
-                    moe=MoEConfig(num_experts=4, top_k=2)),
+                    moe=MoEConfig(num_experts=8, top_k=2, every=2, expert_ffn_dim=48)),
         # Mixtral-8x7B (Jiang et al. 2024): 46.7B total, 12.9B active parameters.
         ModelConfig("mixtral_8x7b", 32000, 4096, 32, 32, 8, 14336, 32768, rope_theta=1e6,
                     moe=MoEConfig(num_experts=8, top_k=2)),

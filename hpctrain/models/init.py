@@ -21,7 +21,7 @@ def param_std(name: str, cfg: ModelConfig) -> float | None:
     scaled by 1/√(2·layers) (GPT-2) so the residual stream's variance stays bounded."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return 0.02 / math.sqrt(2 * cfg.n_layers)
     return 0.02
 

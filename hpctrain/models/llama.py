@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.moe import MoE
 from hpctrain.ops.attention import get_attention
 from hpctrain.ops.documents import Documents
 from hpctrain.ops.linear import Linear
@@ -70,12 +71,12 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
     def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
         """Under sequence parallelism x_BLD is this rank's sequence shard, but attention runs
@@ -94,7 +95,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:

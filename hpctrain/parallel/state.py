@@ -15,7 +15,10 @@ The shard spec has one `ParamShard` per parameter name, saying where the paramet
   pp   the pipeline stage holding it (0 without pp) — from the stage split;
   dp   the flat unit holding it, its offset there, and the unit's dp shards holding a piece
        of it (zero ≥ 1; zero 0 has one shard, held whole by every dp rank) — from the
-       engine's shard layout.
+       engine's shard layout (an expert unit's shards are over the ranks holding its experts);
+  ep   `TpSlice(0, index, ep)` for routed-expert weights under expert parallelism: this rank
+       holds experts full.chunk(ep, 0)[index] (index = its rank in the mesh's ep group);
+       WHOLE otherwise — from the `ExpertParallel` modules.
 
 A parameter reachable under two names (tied embeddings: `tok_embeddings.weight` and
 `output.weight` are one Parameter) is listed once, under the first name `named_parameters`
@@ -31,9 +34,10 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from hpctrain.distributed.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh, group_rank
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.moe import ExpertParallel
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.parallel.tensor.plan import TensorParallelPlan, TpSlice
@@ -52,21 +56,24 @@ class ParamShard:
     unit: int
     unit_offset: int
     dp_shards: tuple[int, ...]
+    ep: TpSlice = WHOLE
 
     @property
     def full_shape(self) -> tuple[int, ...]:
         """The single-process model's shape of this parameter."""
-        if self.tp.dim is None:
-            return self.local_shape
         shape = list(self.local_shape)
-        shape[self.tp.dim] *= self.tp.parts
+        for piece in (self.tp, self.ep):
+            if piece.dim is not None:
+                shape[piece.dim] *= piece.parts
         return tuple(shape)
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's tp slice of `full` (a full-shape tensor of this parameter), as a view."""
-        if self.tp.dim is None:
-            return full
-        return full.chunk(self.tp.parts, dim=self.tp.dim)[self.tp.index]
+        """This rank's ep then tp slice of `full` (a full-shape tensor of this parameter), as a
+        view."""
+        for piece in (self.ep, self.tp):
+            if piece.dim is not None:
+                full = full.chunk(piece.parts, dim=piece.dim)[piece.index]
+        return full
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,10 @@ class ParallelState:
     def tp_sharded(self) -> dict[str, ParamShard]:
         """The parameters split over tp (dim not None), by name; {} at tp = 1."""
         return {n: s for n, s in self.shards.items() if s.tp.dim is not None}
+
+    def ep_sharded(self) -> dict[str, ParamShard]:
+        """The routed-expert parameters split over ep, by name; {} at ep = 1."""
+        return {n: s for n, s in self.shards.items() if s.ep.dim is not None}
 
 
 def _stage_of(model: nn.Module, stages: LocalStages | None) -> dict[int, int]:
@@ -110,6 +121,16 @@ def _tp_slices(model: nn.Module, plan: TensorParallelPlan | None) -> dict[int, T
     return out
 
 
+def _ep_slices(model: nn.Module) -> dict[int, TpSlice]:
+    """id(param) → its expert-parallel slice, for the experts `ExpertParallel` holds."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, ExpertParallel):
+            piece = TpSlice(0, group_rank(m.group), m.ep)
+            out.update({id(p): piece for p in m.parameters()})
+    return out
+
+
 def _dp_places(engine: DataParallel) -> dict[str, tuple[int, int, tuple[int, ...]]]:
     """name → (unit index, offset in the unit, the unit's dp shards holding a piece)."""
     out = {}
@@ -125,6 +146,7 @@ def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParalle
     """The spec of every trainable parameter of `model` (see the module docstring). Raises
     RuntimeError if the engine does not hold exactly the model's trainable parameters."""
     tp, stage, dp = _tp_slices(model, tp_plan), _stage_of(model, stages), _dp_places(engine)
+    ep = _ep_slices(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if sorted(n for n, _ in named) != sorted(dp):
         raise RuntimeError(f"the data-parallel engine holds {sorted(dp)} but the model's "
@@ -134,7 +156,8 @@ def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParalle
     for name, p in named:
         unit = engine.units[dp[name][0]]
         shape = tuple(unit.shapes[unit.names.index(name)])  # p itself may be freed (ZeRO-3)
-        out[name] = ParamShard(name, shape, tp[id(p)], stage[id(p)], *dp[name])
+        out[name] = ParamShard(name, shape, tp[id(p)], stage[id(p)], *dp[name],
+                               ep=ep.get(id(p), WHOLE))
     return out
 
 

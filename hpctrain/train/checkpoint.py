@@ -41,7 +41,7 @@ from hpctrain.train.manifest import Unverified, Verified
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LAYOUT_KEYS = ("dp", "cp", "tp", "pp", "zero")
+LAYOUT_KEYS = ("dp", "cp", "tp", "pp", "ep", "zero")
 _FIX = ("resume from another checkpoint (train.resume=<dir>; train.resume=auto picks the "
         "newest that verifies) or start over with train.resume=never")
 

@@ -8,6 +8,10 @@ writes once); on loading, full-size buffers are read and this rank's slice is ta
 current plan. Pipeline ownership needs nothing extra: a rank's state dict holds only its
 stages' names (`LocalStages` uses the full model's names), so DCP reads just those.
 
+Routed experts under expert parallelism (`ParamShard.ep`) are handled the same way over the
+mesh's ep group: gathered to all E experts before saving, sliced to this rank's E/ep on load,
+so an ep=2 checkpoint loads at ep=1 and back.
+
 Which tensors are sharded, and how, comes from the parallel state's shard spec
 (`ParallelState.shards`, derived from the tensor-parallel plan's table): a tp-sharded
 parameter is `full.chunk(parts, dim)[index]` on this rank, and its AdamW exp_avg / exp_avg_sq
@@ -50,34 +54,44 @@ def _gather_full(local: torch.Tensor, shard: ParamShard, group) -> torch.Tensor:
     return torch.cat([parts[i * (tp // n)] for i in range(n)], dim=dim)
 
 
+def _gather_experts(local: torch.Tensor, shard: ParamShard, group) -> torch.Tensor:
+    """The ep group's expert slices, in group order, concatenated along the expert dim."""
+    parts = [torch.empty_like(local) for _ in range(shard.ep.parts)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=shard.ep.dim)
+
+
 def to_full(parallel: ParallelState, state: State) -> State:
-    """Collective over tp: a copy of `state` whose tp-sharded tensors are the full tensors."""
-    shards = parallel.tp_sharded()
-    if not shards:
+    """Collective over tp and ep: a copy of `state` whose tp- and ep-sharded tensors are the
+    full tensors."""
+    tp, ep = parallel.tp_sharded(), parallel.ep_sharded()
+    if not tp and not ep:
         return state
-    group = parallel.mesh.group("tp")
     out = {"model": dict(state["model"]), "optim": _copy_optim(state["optim"])}
-    for container, key, shard in _tensors(out, shards):
-        container[key] = _gather_full(container[key], shard, group)
+    for container, key, shard in _tensors(out, tp):
+        container[key] = _gather_full(container[key], shard, parallel.mesh.group("tp"))
+    for container, key, shard in _tensors(out, ep):
+        container[key] = _gather_experts(container[key], shard, parallel.mesh.ep)
     return out
 
 
+def _sharded(parallel: ParallelState) -> dict[str, ParamShard]:
+    return {**parallel.tp_sharded(), **parallel.ep_sharded()}
+
+
 def full_template(parallel: ParallelState, state: State) -> State:
-    """A copy of `state` (this rank's local tensors) with each tp-sharded tensor replaced by an
-    empty full-size one, for DCP to load into. `state` itself is left as it was."""
+    """A copy of `state` (this rank's local tensors) with each tp- or ep-sharded tensor
+    replaced by an empty full-size one, for DCP to load into. `state` itself is left as it was."""
     out = {"model": dict(state["model"]), "optim": _copy_optim(state["optim"])}
-    for container, key, shard in _tensors(out, parallel.tp_sharded()):
-        local = container[key]
-        shape = list(local.shape)
-        shape[shard.tp.dim] *= shard.tp.parts
-        container[key] = local.new_empty(shape)
+    for container, key, shard in _tensors(out, _sharded(parallel)):
+        container[key] = container[key].new_empty(shard.full_shape)
     return out
 
 
 def to_local(parallel: ParallelState, state: State, *, current: State) -> State:
     """Slice the loaded full tensors to this rank's shards; keep `current`'s optimizer
     param-group membership (the loaded groups may name another pipeline rank's parameters)."""
-    for container, key, shard in _tensors(state, parallel.tp_sharded()):
+    for container, key, shard in _tensors(state, _sharded(parallel)):
         container[key] = shard.local_of(container[key]).clone()
     groups = state["optim"].get("param_groups")
     if groups is not None:

@@ -1,9 +1,11 @@
 """Set-up of one rank: the model for this layout and its `ParallelState`, built once.
 
 Order matters and lives only here: build the model (or, with pp > 1, the pipeline's stages),
-shard it over tp, wrap it for activation checkpointing, move it to the device, then build the
-data-parallel engine over the finished parameters (the engine flattens them), and finally
-derive the shard spec from the plan, the stages and the engine
+shard its routed experts over ep, shard it over tp (which then sees the experts' final
+parameters, kept whole on every tp rank), wrap it for activation checkpointing, move it to the
+device, then build the data-parallel engine over the finished parameters (the engine
+flattens them; expert parameters get their own units over the ranks holding the same experts),
+and finally derive the shard spec from the plan, the stages and the engine
 (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
 the result; nothing is attached to the model or the optimizer.
 """
@@ -17,6 +19,7 @@ from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
+from hpctrain.parallel.moe import apply_expert_parallel
 from hpctrain.parallel.state import ParallelState, parallel_state
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.tensor_parallel import engine_axes, setup_tensor_parallel
@@ -29,10 +32,12 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     if (pipeline is None) != (cfg.parallel.pp == 1):
         raise ValueError(f"parallel.pp={cfg.parallel.pp} needs a pipeline engine exactly "
                          "when pp > 1: build PipelineEngine(cfg, mesh) and pass it")
+    experts = None
     if pipeline is not None:  # stages built, tp-sharded and given ring attention there
         model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
+        experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts
         plan = setup_tensor_parallel(model, cfg, mesh)
         cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                            backend=cfg.model.attention)
@@ -47,6 +52,8 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     axes = engine_axes(model, plan, mesh)
     if pipeline is not None:  # + tied embeddings across stages
         axes = pipeline.engine_axes(axes)
+    if experts is not None:
+        axes["experts"] = experts
     engine = build_data_parallel(model, cfg, mesh, **axes)
     return parallel_state(model, mesh=mesh, engine=engine, tp_plan=plan,
                           stages=pipeline.local if pipeline is not None else None,

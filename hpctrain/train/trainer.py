@@ -24,6 +24,7 @@ from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.metrics.moe import drop_moe_metrics, moe_metrics
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
 from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
@@ -124,7 +125,7 @@ class Trainer:
         state = {"step": self.step, "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
-                 "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "zero": p.zero}
+                 "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero}
         path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
         return ckpt.save(path, parallel=self.parallel, train_state=state,
@@ -138,6 +139,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
         take_cp_bytes(self.parallel.cp_comm)
+        drop_moe_metrics(self.model)
         micro = list(self.micro_batches(step))
         t0 = time.perf_counter()
         if self.pipeline is not None:
@@ -153,6 +155,7 @@ class Trainer:
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
                 **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
                 **take_cp_bytes(self.parallel.cp_comm),
+                **moe_metrics(self.model, group=self.mesh.group("dp"), device=self.mesh.device),
                 **step_extra}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:

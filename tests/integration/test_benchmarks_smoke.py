@@ -17,6 +17,8 @@ RUNS = {
     "pp": ["benchmarks/bench_pp.py", "--steps", "1", "--warmup", "0", "--microbatches", "4",
            "--t-f", "0.001", "--t-b", "0.001", "--t-w", "0.001", "--sleep-steps", "1",
            "--seq", "16", "--dim", "32", "--layers", "4"],
+    "moe": ["benchmarks/bench_moe.py", "--world", "2", "--steps", "1", "--warmup", "0",
+            "--batch", "1", "--seq", "16", "--dim", "32"],
 }
 
 

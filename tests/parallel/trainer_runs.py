@@ -26,7 +26,7 @@ def run_trainer(overrides: list[str], run_dir: str, *, steps: int) -> Trainer:
                        f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
                       run_dir=run_dir)
     dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                        cp=cfg.parallel.cp)
+                        cp=cfg.parallel.cp, ep=cfg.parallel.ep)
     mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     trainer = Trainer(cfg, mesh)
     trainer.run()

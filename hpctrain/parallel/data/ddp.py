@@ -111,17 +111,18 @@ class GradReducer:
             buf = unit.grad_full.to(wire)  # no copy when dtypes agree: reduced in place
         else:
             buf = unit.pack_grads(wire)
-        if self.dp == 1:  # nothing to reduce: skip the collective
+        group, dp = self._group_of(unit)
+        if dp == 1:  # nothing to reduce: skip the collective
             self._pending.append(_Pending(unit, None, buf))
             return
         if wire != acc:  # 16-bit wire, fp32 sum: gather everyone's buffer
-            out = torch.empty(self.dp * buf.numel(), dtype=wire, device=buf.device)
-            work = dist.all_gather_single(out, buf, group=self.group, async_op=True)
+            out = torch.empty(dp * buf.numel(), dtype=wire, device=buf.device)
+            work = dist.all_gather_single(out, buf, group=group, async_op=True)
         elif unit.grad_full is not None:
-            out, work = buf, dist.all_reduce(buf, group=self.group, async_op=True)
+            out, work = buf, dist.all_reduce(buf, group=group, async_op=True)
         else:
             out = torch.empty(unit.layout.shard_size, dtype=wire, device=buf.device)
-            work = dist.reduce_scatter_single(out, buf, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(out, buf, group=group, async_op=True)
         self._pending.append(_Pending(unit, work, out))
 
     def finish(self) -> None:
@@ -144,21 +145,28 @@ class GradReducer:
     def _land(self, pending: _Pending) -> None:
         unit, buf = pending.unit, pending.buf
         acc = self._acc_dtype(unit)
-        if self.dp > 1 and buf.dtype != acc:
+        dp = self._group_of(unit)[1]
+        divisor = unit.grad_divisor or dp
+        if dp > 1 and buf.dtype != acc:
             n = unit.layout.padded_numel
-            parts = buf.view(self.dp, n)
+            parts = buf.view(dp, n)
             if unit.grad_full is None:
                 lo, hi = unit.layout.shard_range(unit.shard_rank)
                 parts = parts[:, lo:hi]
             buf = parts.to(acc).sum(0)
-        elif self.dp == 1 and unit.grad_full is None:
+        elif dp == 1 and unit.grad_full is None:
             lo, hi = unit.layout.shard_range(unit.shard_rank)
             buf = buf[lo:hi]
         target = unit.grad_full if unit.grad_full is not None else unit.grad_shard
         if buf.data_ptr() == target.data_ptr():
-            target.div_(self.dp)
+            target.div_(divisor)
         else:
-            target.copy_(buf.to(acc).div_(self.dp))
+            target.copy_(buf.to(acc).div_(divisor))
+
+    def _group_of(self, unit: FlatUnit) -> tuple:
+        """(group, its size) a unit is reduced over: its own (experts) or the dp group."""
+        group = unit.group if unit.group is not None else self.group
+        return group, group_size(group)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

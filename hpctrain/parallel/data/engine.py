@@ -4,7 +4,9 @@ One object per rank owns the units (flat buffers), the GradReducer, the ShardedA
 zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
 each micro-batch's mean loss is weighted by its real tokens (hpctrain.parallel.step
 `loss_divisors`: the step's loss is the mean over every real token of the global batch),
-micro-batches run under `reducer.no_sync()` except the last of the accumulation window, then
+an MoE model's router losses (aux + z, hpctrain.models.moe) join each micro-batch's loss
+before that division (the reported loss is the LM loss alone), micro-batches run under
+`reducer.no_sync()` except the last of the accumulation window, then
 the reduction is finished explicitly, the loss is averaged over dp, overflow is agreed by all
 ranks (fp16), and the sharded optimizer clips by the global norm and updates — unless the loss
 or the norm is non-finite (hpctrain.parallel.finite): then no rank updates, and the result
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.models.moe import take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
@@ -40,6 +43,7 @@ from hpctrain.parallel.data.zero import ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
 from hpctrain.parallel.memory import storage_bytes
+from hpctrain.parallel.moe import ExpertGroups
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import (
     StepResult,
@@ -62,26 +66,68 @@ def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, el
     return groups
 
 
+def _expert_groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float,
+                   elem: int) -> list[tuple[int | None, list]]:
+    """(block index or None, parameters) of the expert units: buckets (zero < 3) or, for
+    ZeRO-3, one unit per block holding experts (gathered and freed with that block)."""
+    if zero < 3:
+        return [(None, g) for g in size_groups(list(reversed(named)), bucket_bytes=bucket_bytes,
+                                               bytes_per_elem=elem)]
+    block_of = {id(p): i for i, b in enumerate(model.layers) for p in b.parameters()}
+    groups = [(i, [(n, p) for n, p in named if block_of.get(id(p)) == i])
+              for i in range(len(model.layers))]
+    return [(i, g) for i, g in groups if g]
+
+
+def _expert_norm(named, experts: ExpertGroups, norm_groups: tuple,
+                 grad_replicas: dict[int, int] | None) -> tuple[tuple, dict[int, int]]:
+    """zero = 0 with expert parallelism: the clip norm also sums over the ep group (its
+    ranks hold different experts), where every dense parameter is held ep times (counted
+    1/ep each). With zero ≥ 1 the sum over dp already counts each element once: dense
+    shards are disjoint over dp, expert shards over (ep, expert-data) = dp."""
+    ep = group_size(experts.ep_group)
+    replicas = dict(grad_replicas or {})
+    for _, p in named:
+        if id(p) not in experts.params:
+            replicas[id(p)] = replicas.get(id(p), 1) * ep
+    return (*norm_groups, experts.ep_group), replicas
+
+
 class DataParallel:
     def __init__(self, model: torch.nn.Module, *, group, zero: int, precision: str, optim,
                  bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none",
                  pre_reduce: Callable[[], None] | None = None, norm_groups: tuple = (),
-                 grad_replicas: dict[int, int] | None = None):
+                 grad_replicas: dict[int, int] | None = None,
+                 experts: ExpertGroups | None = None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if experts is not None and zero == 0:  # see _expert_norm
+            norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
         # Overflow must be agreed by every rank that steps together: the dp group alone only
         # when the units hold the whole model, else every rank (tp/pp shards step together).
         split = any(group_size(g) > 1 for g in norm_groups)
         self.overflow_group = dist.group.WORLD if split else group
         dp, rank = group_size(group), group_rank(group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
-        groups = _groups(model, named, zero=zero, bucket_bytes=bucket_mb * 2**20,
-                         elem=dtype.itemsize)
+        is_expert = (lambda p: id(p) in experts.params) if experts else (lambda p: False)
+        kw = dict(zero=zero, bucket_bytes=bucket_mb * 2**20, elem=dtype.itemsize)
+        dense = _groups(model, [(n, p) for n, p in named if not is_expert(p)], **kw)
         self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype)
-                      for i, g in enumerate(groups)]
-        self.zero3 = Zero3Params(model, self.units, group=group) if zero == 3 else None
+                      for i, g in enumerate(dense)]
+        block_units = {}  # ZeRO-3: block + 1 → its expert unit, gathered with the block
+        if experts is not None:  # reduced and sharded over the ranks holding the same experts
+            for block, g in _expert_groups(model, [(n, p) for n, p in named if is_expert(p)],
+                                           **kw):
+                if block is not None:
+                    block_units[block + 1] = len(self.units)
+                self.units.append(FlatUnit(
+                    len(self.units), g, dp=group_size(experts.group),
+                    rank=group_rank(experts.group), zero=zero, dtype=dtype,
+                    group=experts.group, grad_divisor=experts.divisor))
+        self.zero3 = (Zero3Params(model, self.units, group=group, experts=block_units)
+                      if zero == 3 else None)
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
         self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
@@ -103,7 +149,9 @@ class DataParallel:
                 with autocast(precision, device):
                     logits = self.model(inputs_BL.to(device), docs=docs)
                 loss = loss_fn(logits, targets_BL.to(device)) / divisor
-                (loss * multiplier).backward()
+                router = take_router_loss(self.model)  # MoE aux + z: weighted as the LM loss
+                total = loss if router is None else loss + router / divisor
+                (total * multiplier).backward()
             loss_sum += loss.detach().double()
         return self.reduce_and_update(scaler=scaler, multiplier=multiplier,
                                       grad_clip=grad_clip, loss=loss_sum)

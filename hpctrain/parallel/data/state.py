@@ -36,11 +36,16 @@ def _split(unit: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
                                          unit.shapes, strict=True)}
 
 
+def _group(unit: FlatUnit, engine):
+    """The group a unit is sharded over: its own (experts: hpctrain.parallel.moe) or dp."""
+    return engine.group if unit.group is None else unit.group
+
+
 def full_model_state(engine) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         out.update(_split(unit, _gather(unit, engine.optimizer.state[unit.index]["master"],
-                                        engine.group)))
+                                        _group(unit, engine))))
     return out
 
 
@@ -49,7 +54,7 @@ def full_optim_state(engine) -> dict:
     step = torch.tensor(float(engine.optimizer.steps))
     for unit in engine.units:
         parts = {k: _split(unit, _gather(unit, engine.optimizer.state[unit.index][k],
-                                         engine.group)) for k in OPTIM_KEYS}
+                                         _group(unit, engine))) for k in OPTIM_KEYS}
         for name in unit.names:
             state[name] = {"step": step.clone(), **{k: parts[k][name] for k in OPTIM_KEYS}}
     return {"state": state}
@@ -75,6 +80,6 @@ def load_full_state(engine, model_sd: dict[str, torch.Tensor], optim_sd: dict) -
         if st["master"] is not unit.shard:
             unit.shard.copy_(st["master"])
         if unit.zero < 3:
-            unit.all_gather_params(engine.group)
+            unit.all_gather_params(_group(unit, engine))
         elif unit.gathered:
             unit.free_params()

@@ -10,6 +10,11 @@ before use. Buffers (Ψᵤ = the unit's elements, S = its shard size, dp·S = Ψ
   grad_shard  S grads: a view of `grad_full` for zero < 2, its own storage for zero ≥ 2
 
 For zero = 0 the layout has one shard (the whole unit): every rank updates everything.
+
+`group` / `grad_divisor`: a unit of expert parameters (hpctrain.parallel.moe) is reduced and
+sharded over its own group (the dp ranks holding the same experts) and its gradient sum is
+divided by the whole dp size, not that group's; None for both: the engine's dp group and its
+size.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class FlatUnit:
     def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]], *, dp: int,
-                 rank: int, zero: int, dtype: torch.dtype):
+                 rank: int, zero: int, dtype: torch.dtype, group=None,
+                 grad_divisor: int | None = None):
         self.index, self.zero, self.dtype = index, zero, dtype
+        self.group, self.grad_divisor = group, grad_divisor
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]

@@ -10,6 +10,9 @@ been reduced (or after a no-grad forward). Unit i+1 is block i of `model.layers`
             is gathered again and block i-1 prefetched; once all of block i's parameter
             gradients have landed (GradReducer.on_unit_done) the block is freed.
 
+Under expert parallelism a block's routed experts are a second unit, sharded over the ranks
+holding the same experts (its own group): it is gathered, prefetched and freed with its block.
+
 `peak_bytes` is the ledger's high-water mark of parameter bytes alive on this rank: all
 persistent shards plus the gathered units in flight.
 """
@@ -23,8 +26,15 @@ from hpctrain.parallel.data.units import FlatUnit
 
 
 class Zero3Params:
-    def __init__(self, model: torch.nn.Module, units: list[FlatUnit], *, group):
+    def __init__(self, model: torch.nn.Module, units: list[FlatUnit], *, group,
+                 experts: dict[int, int] | None = None):
+        """`experts`: block index + 1 → the index of the unit holding that block's expert
+        parameters (expert parallelism: sharded over their own group, gathered and freed
+        with the block)."""
         self.units, self.group = units, group
+        self.members = {k: [k] for k in range(len(model.layers) + 1)}
+        for k, extra in (experts or {}).items():
+            self.members[k].append(extra)
         self.blocks = list(model.layers)
         self._works: dict[int, dist.Work | None] = {}
         self._in_backward: set[int] = set()
@@ -42,21 +52,26 @@ class Zero3Params:
         return self.shard_bytes + sum(u.full.nbytes for u in self.units if u.gathered)
 
     def prefetch(self, k: int) -> None:
-        if 0 <= k < len(self.units) and not self.units[k].gathered:
-            self._works[k] = self.units[k].gather_async(self.group)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        """Start gathering block k's units (k = 0: the parameters outside the blocks)."""
+        for u in self.members.get(k, ()):
+            unit = self.units[u]
+            if not unit.gathered:
+                group = self.group if unit.group is None else unit.group
+                self._works[u] = unit.gather_async(group)
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes())
 
     def ensure(self, k: int) -> None:
-        """Block until unit k is gathered and its parameters point into it."""
-        unit = self.units[k]
-        if not unit.gathered:
-            self.prefetch(k)
-        work = self._works.pop(k, "bound")
-        if work == "bound":
-            return
-        if work is not None:
-            work.wait()
-        unit.bind_params()
+        """Block until block k's units are gathered and their parameters point into them."""
+        for u in self.members[k]:
+            unit = self.units[u]
+            if not unit.gathered:
+                self.prefetch(k)
+            work = self._works.pop(u, "bound")
+            if work == "bound":
+                continue
+            if work is not None:
+                work.wait()
+            unit.bind_params()
 
     def free(self, unit: FlatUnit) -> None:
         work = self._works.pop(unit.index, None)
@@ -73,7 +88,8 @@ class Zero3Params:
     def _after_block(self, k: int, out) -> None:
         if k in self._in_backward:  # recomputation inside backward (activation checkpointing)
             return
-        self.free(self.units[k])
+        for u in self.members[k]:
+            self.free(self.units[u])
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, k=k: self._before_block_backward(k, g))
 

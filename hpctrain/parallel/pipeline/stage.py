@@ -56,7 +56,7 @@ class PipelineStage(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         idx = stage_layers(stage, n_stages=n_stages, n_layers=cfg.n_layers)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in idx})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in idx})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if self.is_last else None
         self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
         init_weights(self, cfg, seed=seed)

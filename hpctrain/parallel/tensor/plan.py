@@ -24,6 +24,7 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.init import full_init
+from hpctrain.models.moe import MoE, moe_layers
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size
 from hpctrain.parallel.tensor.layers import (
@@ -149,7 +150,13 @@ def _shard_module(style: Style, w: torch.Tensor, *, plan: TensorParallelPlan, cf
 
 
 def _plan_block(model, i: str, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
+    # An MoE block keeps its router and experts whole on every tp rank (computed redundantly
+    # on the replicated input, so their gradients are complete on each rank): its mlp_norm
+    # stays a plain norm, since the entry op's backward all-reduce would sum tp full copies.
+    moe = isinstance(model.get_submodule(f"layers.{i}.mlp"), MoE)
     for suffix, style in BLOCK_PLAN.items():
+        if moe and suffix.startswith("mlp"):
+            continue
         name = f"layers.{i}.{suffix}"
         kv = plan.kv_shard if suffix in KV_MODULES else None
         w = _full(model, name + ".weight", seed=seed, cfg=cfg)
@@ -205,8 +212,9 @@ def verify_tensor_parallel(model: nn.Module, plan: TensorParallelPlan) -> None:
                                "apply_tensor_parallel; apply tensor parallelism last")
         if module.group is not plan.group:
             raise RuntimeError(f"{name!r} uses a different process group than the plan")
+    whole = {id(m) for layer in moe_layers(model) for m in layer.modules()}  # experts whole
     for name, m in model.named_modules():
-        if type(m) in (Linear, nn.Linear, nn.Embedding):
+        if type(m) in (Linear, nn.Linear, nn.Embedding) and id(m) not in whole:
             raise RuntimeError(f"{name!r} is an unsharded {type(m).__name__} in a tp="
                                f"{plan.tp} model: apply_tensor_parallel did not cover it")
     unknown = [n for n, p in model.named_parameters() if id(p) not in plan.replicas]

@@ -1,0 +1,66 @@
+"""Per-step routing metrics of a mixture-of-experts model (metrics.jsonl keys `moe_*`).
+
+From the statistics every MoE layer accumulated over the step's training forwards
+(hpctrain.models.moe `take_moe_stats`), summed over the dp group (every rank routes its own
+tokens over all E experts), so the numbers describe the whole global batch:
+
+  moe_tokens_per_expert_min / _max   assignments (token, expert) an expert was routed, the
+                                     extremes over every expert of every MoE layer
+  moe_load_cv                        coefficient of variation (std / mean over experts) of
+                                     those counts, averaged over the MoE layers: 0 is perfect
+                                     balance
+  moe_dropped_fraction               assignments dropped by the capacity factor / all
+  moe_aux_loss, moe_z_loss           the router losses added to the training loss (their
+                                     coefficients included), per micro-batch, summed over
+                                     layers, averaged over micro-batches and dp ranks
+  comm_ep_bytes                      bytes this rank sent to other ranks in the experts'
+                                     all-to-alls (dispatch + combine, forward + backward),
+                                     measured from the split counts (ep > 1 only)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpctrain.distributed.mesh import group_size
+from hpctrain.models.moe import moe_layers, take_moe_stats
+from hpctrain.parallel.moe import take_all_to_all_bytes
+
+
+def drop_moe_metrics(model: nn.Module) -> None:
+    """Forget what forwards outside the step (eval) counted."""
+    take_moe_stats(model)
+    take_all_to_all_bytes(model)
+
+
+def moe_metrics(model: nn.Module, *, group, device: torch.device) -> dict[str, Any]:
+    """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
+    `group` (the dp group): every rank of it calls this after every step."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    stats = take_moe_stats(model)  # in the order of `layers`
+    counts_LE = torch.stack([
+        s.routed_E.cpu() if s.routed_E is not None else torch.zeros(m.moe.num_experts)
+        for m, s in zip(layers, stats, strict=True)]).to(device, torch.float64)
+    forwards = max(1, max(s.forwards for s in stats))
+    scalars = torch.tensor([sum(s.kept for s in stats), sum(s.assignments for s in stats),
+                            sum(s.aux for s in stats) / forwards,
+                            sum(s.z for s in stats) / forwards], dtype=torch.float64,
+                           device=device)
+    if group_size(group) > 1:
+        flat = torch.cat([counts_LE.flatten(), scalars])
+        dist.all_reduce(flat, group=group)
+        counts_LE, scalars = flat[:-4].view_as(counts_LE), flat[-4:]
+        scalars[2:] /= group_size(group)
+    kept, assigned, aux, z = scalars.tolist()
+    cv = counts_LE.std(1, correction=0) / counts_LE.mean(1).clamp(min=1e-12)
+    return {"moe_tokens_per_expert_min": int(counts_LE.min()),
+            "moe_tokens_per_expert_max": int(counts_LE.max()),
+            "moe_load_cv": float(cv.mean()), "moe_aux_loss": aux, "moe_z_loss": z,
+            "moe_dropped_fraction": 1.0 - kept / assigned if assigned else 0.0,
+            **take_all_to_all_bytes(model)}

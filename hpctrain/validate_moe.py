@@ -1,0 +1,48 @@
+"""Checks of mixture of experts (`model.moe.*`) and expert parallelism (`parallel.ep`).
+
+Expert-parallel ranks are ep consecutive ranks of the dp group (hpctrain.distributed.mesh),
+so ep must divide dp and the expert count. With tp the dense layers are tensor-parallel and
+the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), which
+needs the replicated sequence (sp=false). What is not built yet with experts is refused here,
+naming the fix, never run silently wrong.
+"""
+
+from __future__ import annotations
+
+from hpctrain.config import Config
+
+
+def check_moe(c: Config) -> list[str]:
+    m, p, errs = c.model.moe, c.parallel, []
+    if not m.enabled:
+        if p.ep != 1:
+            errs.append(f"parallel.ep={p.ep} needs routed experts but model.moe.num_experts=0: "
+                        "set parallel.ep=1, or model.moe.num_experts to a multiple of ep")
+        return errs
+    if m.top_k > m.num_experts:
+        errs.append(f"model.moe.top_k={m.top_k} exceeds model.moe.num_experts="
+                    f"{m.num_experts}: choose top_k ≤ num_experts")
+    if m.num_experts % p.ep:
+        errs.append(f"model.moe.num_experts={m.num_experts} is not divisible by parallel.ep="
+                    f"{p.ep}: choose ep among the divisors of the expert count")
+    if p.dp % p.ep:
+        errs.append(f"parallel.dp={p.dp} is not divisible by parallel.ep={p.ep} (expert-parallel"
+                    " ranks live inside the dp group): choose ep dividing dp")
+    if c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train":
+        return errs  # benchmarks other than bench=train build process groups, never a model
+    todo = {"parallel.pp": p.pp, "parallel.cp": p.cp}
+    for key, value in todo.items():
+        if value > 1:
+            errs.append(f"{key}={value} with model.moe.num_experts={m.num_experts} is not "
+                        f"implemented yet in this version of hpctrain: set {key}=1 (experts "
+                        "compose with dp, ZeRO 0-3, tp without sp and parallel.ep)")
+    if p.tp > 1 and p.sp:
+        errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
+                    f"{m.num_experts} is not implemented yet (the experts run whole on the "
+                    "replicated sequence): set parallel.sp=false")
+    if c.train.activation_checkpointing != "none":
+        errs.append(f"train.activation_checkpointing={c.train.activation_checkpointing} with "
+                    f"model.moe.num_experts={m.num_experts} is not implemented yet (the "
+                    "recomputed forward would route twice): set train.activation_checkpointing"
+                    "=none")
+    return errs
