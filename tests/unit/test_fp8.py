@@ -90,3 +90,26 @@ def test_apply_fp8_skips_embedding_and_head():
     assert model.output.fp8 is None and "output" not in done
     assert model.layers[0].attn.wq.fp8 == Fp8Spec("rowwise")
     assert len(done) == 7 * len(model.layers)  # wq wk wv wo w1 w2 w3
+
+
+def test_planner_times_block_linears_at_fp8_peak():
+    """H200: the block linears' FLOPs at the FP8 peak (1979 ≈ 2 × 989 TFLOP/s dense), the
+    rest (attention core, head) at bf16; MFU keeps the bf16 denominator."""
+    from hpctrain.metrics.devices import DEVICES
+    from hpctrain.plan.cluster import ClusterSpec
+    from hpctrain.plan.layout import Layout
+    from hpctrain.plan.shapes import fp8_flops_per_token, training_flops_per_token
+    from hpctrain.plan.time import step_time
+
+    h200 = DEVICES["H200"]
+    bf, p8 = h200.peak_flops("bf16"), h200.peak_flops("fp8")
+    assert p8 == 1979e12  # the datasheet's 3,958 TFLOPS with sparsity, halved
+    model = PRESETS["debug"].with_(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                                   ffn_dim=8192, vocab_size=32000, max_seq_len=2048)
+    cluster = ClusterSpec(device=h200, gpus_per_node=8, intra_node_bw=450e9, inter_node_bw=50e9)
+    kw = dict(layout=Layout(), global_batch=8, micro_batch_size=8, seq_len=2048)
+    bf16, fp8 = step_time(model, cluster, **kw), step_time(model, cluster, **kw, fp8=True)
+    f, f8 = training_flops_per_token(model, seq_len=2048), fp8_flops_per_token(model)
+    assert 0.5 < f8 / f < 1  # most of the work is block linears at this size
+    assert fp8.compute_s / bf16.compute_s == pytest.approx((f - f8 + f8 * bf / p8) / f, rel=1e-9)
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)
