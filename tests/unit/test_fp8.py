@@ -113,3 +113,9 @@ def test_planner_times_block_linears_at_fp8_peak():
     assert 0.5 < f8 / f < 1  # most of the work is block linears at this size
     assert fp8.compute_s / bf16.compute_s == pytest.approx((f - f8 + f8 * bf / p8) / f, rel=1e-9)
     assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)
+    from hpctrain.plan.memory import memory_breakdown
+
+    mem = dict(seq_len=2048, micro_batch_size=8, in_flight=1)
+    extra = (memory_breakdown(model, Layout(), **mem, fp8=True).buffers
+             - memory_breakdown(model, Layout(), **mem).buffers)
+    assert extra == model.n_layers * (model.layer_params() - 2 * model.dim)  # 1 B per weight
