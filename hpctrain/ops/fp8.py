@@ -29,6 +29,12 @@ local. Every amax and cast happens in forward or in the immediate part of backwa
 deferred weight gradient of a zero-bubble schedule uses the quantized tensors saved then,
 with no collective.
 
+ZeRO-3: the engine all-gathers a block's parameters in their own dtype before its forward
+(`hpctrain.parallel.data.zero3`) and the linears quantize the gathered weights, so the scales are
+the full tensors'; all-gathering parameters in float8 (halving that traffic) is not built.
+On CUDA, torch's rowwise `_scaled_mm` is more restrictive than on CPU (dtypes, bf16 output):
+the GPU benchmark uses tensorwise; rowwise has only been run on CPU.
+
 Why not torchao (0.18 installs here, and its `Float8Linear` runs on CPU): it swaps
 `nn.Linear` modules for its own subclass whose autograd function computes grad-weight inside
 backward (no way to defer it to the W action of a zero-bubble schedule), and it makes scales
