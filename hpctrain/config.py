@@ -103,6 +103,12 @@ class TrainConfig:
     # rows: windows cut from the token stream; tokens: whole documents grouped by length, little
     # padding (hpctrain.data.packing). Budget per micro-batch: micro_batch_size × seq_len tokens.
     batching: Literal["rows", "tokens"] = "rows"
+    # FP8 linears (hpctrain.ops.fp8): their three GEMMs in float8 with dynamic scales, on top
+    # of precision=bf16; master weights and optimizer state stay fp32. fp8_skip: module names
+    # (fnmatch patterns, matched against the name and its tail) that stay in bf16.
+    fp8: bool = False
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_skip: tuple[str, ...] = ("tok_embeddings", "output")
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,15 @@ def check_attention(c: Config) -> list[str]:
     return [problem] if problem else []
 
 
+def check_fp8(c: Config) -> list[str]:
+    """FP8 linears scale bf16 activations and gradients into float8: they need bf16 autocast."""
+    if c.train.fp8 and c.train.precision != "bf16":
+        return [f"train.fp8=true runs the linears' GEMMs in float8 on top of bf16 autocast, but "
+                f"train.precision={c.train.precision}: set train.precision=bf16, or "
+                "train.fp8=false"]
+    return []
+
+
 def check_not_built(c: Config) -> list[str]:
     """Degrees whose implementation has not landed are refused, never silently ignored."""
     p = c.parallel
@@ -287,6 +296,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_data_size: ("data.", "train.", "parallel.dp"),
     check_device: ("cluster.", "train."),
     check_attention: ("model.attention", "cluster.", "train.precision"),
+    check_fp8: ("train.fp8", "train.precision"),
     check_not_built: ("parallel.", "bench"),
     check_moe: ("model.moe.", "parallel.", "train.activation_checkpointing"),
     check_schedule: _BATCH,
@@ -301,7 +311,7 @@ DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, che
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
-                             check_not_built, check_moe, check_schedule, check_pipeline,
+                             check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
                              check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "train": CHECKS,

@@ -9,6 +9,9 @@
              (model + data-parallel engine, bf16, no checkpoint) with each backend: the median
              MFU, tokens/s and step time after --skip (2) warm-up steps, as the trainer
              computes them.
+  fp8        the same ~1B Llama with sdpa in bf16 and bf16 + FP8 linears (train.fp8), eager and
+             (when train.compile exists) with compiled blocks: tokens/s, MFU against the
+             dense bf16 peak, speed-up over eager bf16.
 
 --dry-run: CPU, tiny sizes (fp64 attention; model=debug), to keep the script working without a
 GPU. Sections to add later (fp8, compile) follow the same shape: a function in SECTIONS.
@@ -120,11 +123,6 @@ def section_attention(args, device) -> list[dict]:
 
 
 def section_mfu(args, device) -> list[dict]:
-    from hpctrain.distributed.dims import ParallelDims
-    from hpctrain.distributed.mesh import build_mesh
-    from hpctrain.train.trainer import Trainer
-    from tests.conftest import make_config
-
     if args.dry_run:
         over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
                 "data.max_bytes=200000"]
@@ -136,21 +134,66 @@ def section_mfu(args, device) -> list[dict]:
     _init_single_process(device)
     rows = []
     for name in _backends(args.dry_run) + (["eager"] if args.dry_run else []):
-        row = {"backend": name}
-        try:
-            with tempfile.TemporaryDirectory() as run_dir:
-                cfg = make_config([*over, f"model.attention={name}"], run_dir=run_dir)
-                trainer = Trainer(cfg, build_mesh(ParallelDims(), rank=0, device=device))
-                steps = [trainer.train_one() for _ in range(args.steps)][args.skip:]
-                del trainer
-            row |= {k: statistics.median(s[k] for s in steps) if steps[0][k] is not None
-                    else None for k in ("mfu", "tokens_per_s", "step_time_s")}
-        except Exception as e:  # noqa: BLE001 - a refused or failing backend is a result
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        row = {"backend": name} | _trainer_row([*over, f"model.attention={name}"], args, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def _trainer_row(overrides: list[str], args, device) -> dict:
+    """Median mfu, tokens/s and step time of hpctrain's Trainer after --skip warm-up steps,
+    or the error (a refused or failing configuration is a result too)."""
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+    from hpctrain.train.trainer import Trainer
+    from tests.conftest import make_config
+
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg = make_config(overrides, run_dir=run_dir)
+            trainer = Trainer(cfg, build_mesh(ParallelDims(), rank=0, device=device))
+            steps = [trainer.train_one() for _ in range(args.steps)][args.skip:]
+            del trainer
+        row = {k: statistics.median(s[k] for s in steps) if steps[0][k] is not None
+               else None for k in ("mfu", "tokens_per_s", "step_time_s")}
+    except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
+        row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def section_fp8(args, device) -> list[dict]:
+    """~1B Llama (sdpa), bf16 vs bf16 + FP8 linears (tensorwise), eager, and compiled blocks
+    when this version has train.compile: tokens/s, MFU (against the dense bf16 peak, FP8 runs
+    too) and each row's speed-up over eager bf16. Goal at this size: FP8 ≥ 1.3× bf16."""
+    from dataclasses import fields
+
+    from hpctrain.config import TrainConfig
+
+    if args.dry_run:
+        over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
+                "data.max_bytes=200000"]
+    else:
+        over = ["model=llama3_1b", "model.attention=sdpa", "train.seq_len=4096",
+                "train.micro_batch_size=4", "train.global_batch_size=4",
+                "data.max_bytes=8000000"]
+    over += ["train.precision=bf16", f"cluster.device={device.type}", "logger.wandb=disabled",
+             "train.eval_every=0", f"train.steps={args.steps}", "train.resume=never"]
+    compiles = ["none", "blocks"] if "compile" in {f.name for f in fields(TrainConfig)} else [None]
+    _init_single_process(device)
+    rows = []
+    for compile_ in compiles:
+        for fp8 in (False, True):
+            extra = [f"train.fp8={str(fp8).lower()}"]
+            extra += [] if compile_ is None else [f"train.compile={compile_}"]
+            row = {"compile": compile_ or "none", "fp8": fp8} | _trainer_row([*over, *extra],
+                                                                            args, device)
+            base = rows[0].get("tokens_per_s") if rows else row.get("tokens_per_s")
+            if row.get("tokens_per_s") and base:
+                row["speedup_vs_eager_bf16"] = row["tokens_per_s"] / base
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -164,7 +207,7 @@ def _init_single_process(device: torch.device) -> None:
                             world_size=1, timeout=datetime.timedelta(seconds=300))
 
 
-SECTIONS = {"attention": section_attention, "mfu": section_mfu}
+SECTIONS = {"attention": section_attention, "mfu": section_mfu, "fp8": section_fp8}
 
 
 def _markdown(rows: list[dict]) -> str:

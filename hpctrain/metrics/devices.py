@@ -32,10 +32,12 @@ class DeviceSpec:
     fp16_flops: float | None = None
     tf32_flops: float | None = None
     fp32_flops: float | None = None
+    fp8_flops: float | None = None  # E4M3/E5M2 tensor cores; None: the part has none
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak for `precision` ('bf16', 'fp16', 'tf32', 'fp32')."""
+        """Dense peak for `precision` ('bf16', 'fp16', 'tf32', 'fp32', 'fp8')."""
         value = {
+            "fp8": self.fp8_flops,
             "bf16": self.bf16_flops,
             "fp16": self.fp16_flops,
             "tf32": self.tf32_flops,
@@ -49,7 +51,8 @@ class DeviceSpec:
         return value
 
 
-def _spec(name, bf16, mem_gib, hbm_tbs, *, fp16=None, tf32=None, fp32=None) -> DeviceSpec:
+def _spec(name, bf16, mem_gib, hbm_tbs, *, fp16=None, tf32=None, fp32=None,
+          fp8=None) -> DeviceSpec:
     t = TFLOP
     return DeviceSpec(
         name=name,
@@ -59,25 +62,32 @@ def _spec(name, bf16, mem_gib, hbm_tbs, *, fp16=None, tf32=None, fp32=None) -> D
         fp16_flops=None if fp16 is None else fp16 * t,
         tf32_flops=None if tf32 is None else tf32 * t,
         fp32_flops=None if fp32 is None else fp32 * t,
+        fp8_flops=None if fp8 is None else fp8 * t,
     )
 
 
+# FP8 dense peaks are half the datasheets' "with sparsity" figures: H100 SXM / H200 SXM /
+# GH200 3,958 TFLOPS → 1979 (2× their bf16 989); H100 PCIe 3,026 → 1513; H100 NVL and
+# H200 NVL 3,341 → 1670.5; B200 (HGX B200, per GPU) 9 PFLOPS → 4500; L40S 1,466 → 733;
+# MI300X 2,614.9 dense (AMD's datasheet). A100 and MI250X have no FP8 units.
 DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
         _spec("A100-40GB", 312, 40, 1.555, fp16=312, tf32=156, fp32=19.5),
         _spec("A100-80GB", 312, 80, 2.039, fp16=312, tf32=156, fp32=19.5),
-        _spec("H100-SXM", 989, 80, 3.35, fp16=989, tf32=494.5, fp32=66.9),
-        _spec("H100-PCIe", 756, 80, 2.0, fp16=756, tf32=378, fp32=51.2),
-        _spec("H100-NVL", 835, 94, 3.9, fp16=835, tf32=417.5, fp32=60),
-        _spec("H200", 989, 141, 4.8, fp16=989, tf32=494.5, fp32=66.9),
-        _spec("H200-NVL", 835, 141, 4.8, fp16=835, tf32=417.5, fp32=60),
-        _spec("GH200-96GB", 989, 96, 4.0, fp16=989, tf32=494.5, fp32=66.9),
-        _spec("GH200-144GB", 989, 144, 4.9, fp16=989, tf32=494.5, fp32=66.9),
-        _spec("B200", 2250, 180, 8.0, fp16=2250, tf32=1100),
-        _spec("L40S", 362, 48, 0.864, fp16=362, tf32=183, fp32=91.6),
+        _spec("H100-SXM", 989, 80, 3.35, fp16=989, tf32=494.5, fp32=66.9, fp8=1979),
+        _spec("H100-PCIe", 756, 80, 2.0, fp16=756, tf32=378, fp32=51.2, fp8=1513),
+        _spec("H100-NVL", 835, 94, 3.9, fp16=835, tf32=417.5, fp32=60, fp8=1670.5),
+        _spec("H200", 989, 141, 4.8, fp16=989, tf32=494.5, fp32=66.9, fp8=1979),
+        _spec("H200-NVL", 835, 141, 4.8, fp16=835, tf32=417.5, fp32=60, fp8=1670.5),
+        _spec("GH200-96GB", 989, 96, 4.0, fp16=989, tf32=494.5, fp32=66.9, fp8=1979),
+        _spec("GH200-144GB", 989, 144, 4.9, fp16=989, tf32=494.5, fp32=66.9,
+              fp8=1979),
+        _spec("B200", 2250, 180, 8.0, fp16=2250, tf32=1100, fp8=4500),
+        _spec("L40S", 362, 48, 0.864, fp16=362, tf32=183, fp32=91.6, fp8=733),
         _spec("MI250X-GCD", 191.5, 64, 1.6384, fp16=191.5, fp32=47.9),
-        _spec("MI300X", 1307.4, 192, 5.3, fp16=1307.4, tf32=653.7, fp32=163.4),
+        _spec("MI300X", 1307.4, 192, 5.3, fp16=1307.4, tf32=653.7, fp32=163.4,
+              fp8=2614.9),
     )
 }
 

@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.ops.fp8 import Fp8Spec
+from hpctrain.ops.fp8_linear import Fp8LinearFunction
+from hpctrain.ops.grads import accumulate_grad, compute_dtype
+
 
 class WeightGradQueue:
     """Deferred weight-gradient computations, filed under a tag (a pipeline stage uses the
@@ -55,24 +59,10 @@ class WeightGradQueue:
         return sum(self.run(tag) for tag in list(self._pending))
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad += grad.to(param.dtype)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
-
-
 class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue):
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x_c, w_c = x.to(dtype), weight.to(dtype)
             out = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
@@ -96,9 +86,9 @@ class LinearFunction(torch.autograd.Function):
             def deferred():
                 with torch.no_grad():  # runs outside autograd's backward: build no graph
                     gw, gb = weight_grad()
-                _accumulate(weight, gw)
+                accumulate_grad(weight, gw)
                 if gb is not None:
-                    _accumulate(bias, gb)
+                    accumulate_grad(bias, gb)
 
             queue.put(deferred)
             return grad_x, None, None, None
@@ -109,12 +99,15 @@ class LinearFunction(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           queue: WeightGradQueue | None = None) -> torch.Tensor:
-    """y = x Wᵀ (+ b). Through `LinearFunction` when `queue` may defer the weight gradient
-    (a zero-bubble pipeline stage), or to cast an input whose dtype differs from the weight's
-    outside autocast; otherwise `F.linear`, whose C++ autograd node costs ~0.1 ms less per
-    forward + backward than the Python function (measured on one thread, 128 × 256 @ 256 × 704:
-    1.50 vs 1.60 ms) — the same products, so the same gradients."""
+           queue: WeightGradQueue | None = None, fp8: Fp8Spec | None = None) -> torch.Tensor:
+    """y = x Wᵀ (+ b). In float8 through `Fp8LinearFunction` when `fp8` is given
+    (`hpctrain.ops.fp8_linear`); else through `LinearFunction` when `queue` may defer the
+    weight gradient (a zero-bubble pipeline stage), or to cast an input whose dtype differs
+    from the weight's outside autocast; otherwise `F.linear`, whose C++ autograd node costs
+    ~0.1 ms less per forward + backward than the Python function (measured on one thread,
+    128 × 256 @ 256 × 704: 1.50 vs 1.60 ms) — the same products, so the same gradients."""
+    if fp8 is not None:
+        return Fp8LinearFunction.apply(x, weight, bias, queue, fp8)
     if queue is not None and queue.may_defer:
         return LinearFunction.apply(x, weight, bias, queue)
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -132,9 +125,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.wgrad_queue: WeightGradQueue | None = None
+        self.fp8: Fp8Spec | None = None  # set by hpctrain.parallel.fp8.apply_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, queue=self.wgrad_queue)
+        return linear(x, self.weight, self.bias, queue=self.wgrad_queue, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -196,11 +196,23 @@ def rank_state_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -
                        states.optimizer + ex.optimizer, host=states.host + ex.host)
 
 
+def fp8_buffer_bytes(model: Shape, layout: Layout, *, in_flight: int, recompute: str) -> float:
+    """FP8 linears (train.fp8) save a float8 copy of each block weight for backward, 1 byte per
+    parameter, per in-flight microbatch (only the recomputed layer's under full recompute).
+    Their saved inputs are float8 too, which the 16-bit activation constants over-count: the
+    activation term is left as is (an upper bound)."""
+    per_layer = (model.layer_params() - 2 * model.dim) / layout.tp
+    if recompute == "full":
+        return float(per_layer)
+    return float(in_flight * model.n_layers / (layout.pp * layout.virtual_stages) * per_layer)
+
+
 def memory_breakdown(
     model: Shape, layout: Layout, *, seq_len: int, micro_batch_size: int, in_flight: int,
-    recompute: str = "none", precision: str = "bf16",
+    recompute: str = "none", precision: str = "bf16", fp8: bool = False,
 ) -> MemoryBreakdown:
-    """Bytes on the busiest rank of `layout` (see the module docstring for every term).
+    """Bytes on the busiest rank of `layout` (see the module docstring for every term);
+    `fp8` adds the float8 weight copies of FP8 linears to the buffers (`fp8_buffer_bytes`).
 
     `in_flight`: (microbatch, chunk) activation sets alive at the peak; take it from the
     pipeline simulator, or `bubble.in_flight_microbatches` for the closed form (1 for pp=1).
@@ -215,6 +227,8 @@ def memory_breakdown(
         grads=states.grads,
         optimizer=states.optimizer,
         activations=acts,
-        buffers=buffer_bytes(model, layout, precision=precision),
+        buffers=buffer_bytes(model, layout, precision=precision) + (
+            fp8_buffer_bytes(model, layout, in_flight=in_flight, recompute=recompute)
+            if fp8 else 0.0),
         host=states.host,
     )

@@ -75,7 +75,9 @@ def predicted_step_time(cfg: Config, cluster: ClusterSpec):
     t = cfg.train
     return step_time(cfg.model, cluster, layout=layout_of(cfg), global_batch=t.global_batch_size,
                      micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                     recompute=t.activation_checkpointing, precision=t.precision)
+                     recompute=t.activation_checkpointing, precision=t.precision,
+                     # a device without FP8 units (CPU: emulated) times the GEMMs at its peak
+                     fp8=t.fp8 and cluster.device.fp8_flops is not None)
 
 
 def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str, Any]:

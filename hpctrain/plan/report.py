@@ -20,7 +20,7 @@ def plan_report(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     in_flight: int | None = None, dp_overlap: float = 0.0,
-    attended_per_token: float | None = None,
+    attended_per_token: float | None = None, fp8: bool = False,
 ) -> dict:
     """Memory (bytes) and time predictions for one layout, with every input echoed.
 
@@ -37,7 +37,7 @@ def plan_report(
     scored = evaluate_layout(model, cluster, layout, recompute, global_batch=global_batch,
                              micro_batch_size=micro_batch_size, seq_len=seq_len,
                              precision=precision, dp_overlap=dp_overlap, in_flight=in_flight,
-                             attended_per_token=attended_per_token)
+                             attended_per_token=attended_per_token, fp8=fp8)
     mem, t = scored.memory, scored.time
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
     memory.update(total=mem.total, host=mem.host)

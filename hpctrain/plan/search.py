@@ -83,20 +83,22 @@ def enumerate_layouts(
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
-                    attended_per_token: float | None = None) -> Candidate:
+                    attended_per_token: float | None = None, fp8: bool = False) -> Candidate:
     """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
     pipeline simulator); None takes the closed form `in_flight_microbatches`.
-    attended_per_token: keys per token under document masks (`plan.time.step_time`)."""
+    attended_per_token: keys per token under document masks (`plan.time.step_time`).
+    fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies."""
     m = global_batch // (micro_batch_size * layout.dp)
     if in_flight is None:
         in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
                                            v=layout.virtual_stages)
     mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                           in_flight=in_flight, recompute=recompute, precision=precision)
+                           in_flight=in_flight, recompute=recompute, precision=precision,
+                           fp8=fp8)
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
                   precision=precision, dp_overlap=dp_overlap,
-                  attended_per_token=attended_per_token)
+                  attended_per_token=attended_per_token, fp8=fp8)
     return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes))
 
 
@@ -125,6 +127,7 @@ def search_layouts(
     zero_stages: Sequence[int] = (0, 1, 2, 3), recomputes: Sequence[str] = RECOMPUTES,
     virtual_stages: Sequence[int] = (2, 4), dp_overlap: float = 0.0,
     attended_per_token: float | None = None, context_parallel: Sequence[int] = (1,),
+    fp8: bool = False,
 ) -> list[Candidate]:
     """All valid candidates, fitting ones fastest first, each with its reason (module doc).
     `context_parallel`: cp degrees to try; those not dividing seq_len into 2·cp chunks are
@@ -138,7 +141,8 @@ def search_layouts(
         context_parallel=[c for c in context_parallel if c == 1 or seq_len % (2 * c) == 0],
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
-              precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token)
+              precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token,
+              fp8=fp8)
     scored = [evaluate_layout(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
     order = {r: i for i, r in enumerate(RECOMPUTES)}
     fitting = sorted((c for c in scored if c.fits), key=lambda c: (

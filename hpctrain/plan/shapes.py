@@ -92,6 +92,15 @@ def block_params(model: Shape) -> int:
     return sum(model.layer_params(i) for i in range(model.n_layers)) - expert_params(model)
 
 
+def fp8_flops_per_token(model: Shape, *, recompute: str = "none") -> float:
+    """The part of `training_flops_per_token` that FP8 linears run in float8: the block
+    linears (every matmul weight but the output head, which train.fp8_skip keeps in bf16;
+    not the attention core), 4/3 of it with full recomputation (their forward runs twice)."""
+    attention = 12 * model.n_layers * model.dim  # per attended key, seq_len = 1 below
+    linears = model.flops_per_token(1) - attention - head_flops_per_token(model)
+    return float(linears * 4 / 3 if recompute == "full" else linears)
+
+
 def rank_params(model: Shape, *, tp: int = 1, pp: int = 1) -> float:
     """Ψ for the busiest (tp, pp) shard: the dense parameters one rank holds before ZeRO
     (routed experts are not tp-sharded and live 1/ep per rank: `experts.rank_expert_params`).

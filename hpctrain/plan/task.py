@@ -96,7 +96,8 @@ def run_plan(cfg: Config) -> dict[str, Any]:
     attended = (None if settings.document_tokens is None
                 else min(settings.document_tokens, t.seq_len))
     common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                  seq_len=t.seq_len, precision=t.precision, attended_per_token=attended)
+                  seq_len=t.seq_len, precision=t.precision, attended_per_token=attended,
+                  fp8=t.fp8 and cluster.device.fp8_flops is not None)
     report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
                          recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
                          dp_overlap=settings.dp_overlap, **common)

@@ -3,7 +3,9 @@
 Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatches of b sequences:
   compute  = F / n / (peak · achievable_fraction), F = T · training_flops_per_token (with the
              recomputed forward when recompute='full': Megatron's 96·B·s·l·h²·(1 + s/(6h) +
-             V/(16·l·h)); 6N-style `flops_per_token` otherwise)
+             V/(16·l·h)); 6N-style `flops_per_token` otherwise). With fp8, the block linears'
+             share F₈ = T · fp8_flops_per_token runs at the device's FP8 peak instead:
+             compute = ((F − F₈)/peak + F₈/peak_fp8) / n / achievable_fraction
   comm_tp  = m · (l/pp) · k · ring_all_reduce(b·s·h·2 bytes over t), k = 4 all-reduces per layer
              (2 forward, 2 backward) + 2 when the forward is recomputed; sequence parallelism
              swaps each for a reduce-scatter + all-gather of the same cost
@@ -46,7 +48,12 @@ from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
 from hpctrain.plan.memory import state_bytes_per_param
-from hpctrain.plan.shapes import Shape, rank_params, training_flops_per_token
+from hpctrain.plan.shapes import (
+    Shape,
+    fp8_flops_per_token,
+    rank_params,
+    training_flops_per_token,
+)
 
 ACT_BYTES = 2  # activations travel in 16 bits (fp32 runs: 4, see `_act_bytes`)
 A2A_PER_LAYER = 4  # MoE dispatch + combine, forward + backward
@@ -57,7 +64,8 @@ class StepTime:
     """Predicted seconds per optimizer step and its parts; rates derived from it.
 
     tflops_per_device counts executed FLOPs (recomputation included), as Megatron-LM reports;
-    mfu counts model FLOPs only (no recomputation) against the dense peak.
+    mfu counts model FLOPs only (no recomputation) against the dense bf16 (`precision`)
+    peak, also with fp8: FP8 runs stay comparable with peers' bf16-peak MFU.
     """
 
     step_time_s: float
@@ -202,7 +210,7 @@ def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, prec
 def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
-    dp_overlap: float = 0.0, attended_per_token: float | None = None,
+    dp_overlap: float = 0.0, attended_per_token: float | None = None, fp8: bool = False,
 ) -> StepTime:
     """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
 
@@ -210,6 +218,8 @@ def step_time(
     (0 = none, as in Megatron-LM 2021; ~0.5–0.9 for bucketed DDP/FSDP with prefetch).
     attended_per_token: keys a token attends to on average (unmasked count): seq_len (None)
     without documents, Σ lᵢ²/Σ lᵢ under document masks.
+    fp8: the block linears run in float8 (train.fp8) at the device's FP8 peak; ValueError
+    for a device without one.
     """
     if not 0.0 <= dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
@@ -221,7 +231,9 @@ def step_time(
     if not 0 < attn <= seq_len:
         raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
     executed = tokens * training_flops_per_token(model, seq_len=attn, recompute=recompute)
-    compute = executed / n / (peak * cluster.achievable_fraction)
+    in_fp8 = tokens * fp8_flops_per_token(model, recompute=recompute) if fp8 else 0.0
+    fp8_time = in_fp8 / cluster.device.peak_flops("fp8") if fp8 else 0.0
+    compute = ((executed - in_fp8) / peak + fp8_time) / n / cluster.achievable_fraction
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     pp = pp_comm_s(model, cluster, layout, **kw)

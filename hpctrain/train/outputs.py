@@ -65,6 +65,8 @@ def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
         "final_eval_loss": extra.pop("final_eval_loss", None),
         "tokens_per_s": tps,
         "mfu": statistics.median(mfus) if mfus else None,
+        # FP8 runs keep MFU's bf16 denominator, so it compares with peers' numbers
+        **({"mfu_against": "dense bf16 peak (FP8 GEMMs too)"} if cfg.train.fp8 else {}),
         "step_time_s": statistics.median(h["step_time_s"] for h in steady) if steady else None,
         "run_dir": str(run_dir),
         "metrics": str(run_dir / "metrics.jsonl"),

@@ -40,6 +40,7 @@ from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.context.apply import apply_to_stages
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.fp8 import apply_fp8
 from hpctrain.parallel.pipeline.actions import Action
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
@@ -68,6 +69,8 @@ class PipelineEngine:
         self.local, self.tp_plan = build_local_stages(
             cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
             seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp)
+        if t.fp8:  # after tp (specs name its groups), before checkpointing wraps
+            apply_fp8(self.local, recipe=t.fp8_recipe, skip=t.fp8_skip)
         self.local.to(mesh.device)
         self.cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                                 backend=cfg.model.attention)

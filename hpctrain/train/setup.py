@@ -19,6 +19,7 @@ from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
+from hpctrain.parallel.fp8 import apply_fp8
 from hpctrain.parallel.moe import apply_expert_parallel
 from hpctrain.parallel.state import ParallelState, parallel_state
 from hpctrain.train.pipeline import PipelineEngine
@@ -39,6 +40,8 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
         model = build_model(cfg.model, seed=cfg.train.seed)
         experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts
         plan = setup_tensor_parallel(model, cfg, mesh)
+        if cfg.train.fp8:  # after tp (specs name its groups), before checkpointing wraps
+            apply_fp8(model, recipe=cfg.train.fp8_recipe, skip=cfg.train.fp8_skip)
         cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
                            backend=cfg.model.attention)
         # cp > 1: attention over the cp ring (or all-gathered key/value shards)

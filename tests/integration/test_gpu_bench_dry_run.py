@@ -2,7 +2,7 @@
 
 It must leave every section's numbers: attention rows for sdpa and triton in both directions and
 flex forward, with and without documents; an MFU row for each backend that can train on CPU and
-flex refused with its message; the tests/gpu log.
+flex refused with its message; bf16 and FP8 rows of the fp8 section; the tests/gpu log.
 """
 
 from __future__ import annotations
@@ -31,5 +31,7 @@ def test_gpu_benchmark_dry_run_writes_every_section(tmp_path):
     for name in ("sdpa", "triton", "eager"):
         assert mfu[name]["tokens_per_s"] > 0, mfu[name]
     assert "no backward on CPU" in mfu["flex"]["error"]
+    fp8 = {r["fp8"]: r for r in json.loads((tmp_path / "fp8.json").read_text())["rows"]}
+    assert fp8[True]["tokens_per_s"] > 0 and fp8[False]["tokens_per_s"] > 0, fp8
     assert "skipped" in (tmp_path / "tests_gpu.txt").read_text()
     assert (tmp_path / "attention.md").exists() and (tmp_path / "env.txt").exists()

@@ -45,7 +45,7 @@ def test_expert_states_fall_as_one_over_ep():
 
 
 def test_moe_blocks_store_the_routed_token_copies():
-    model = PRESETS["debug_moe"]
+    model = PRESETS["debug"].with_(moe=MoEConfig(num_experts=4, top_k=2))  # 4 MoE blocks
     dense = model.with_(moe=MoEConfig())
     layout = Layout(dp=2, ep=2)
     kw = dict(seq_len=128, micro_batch_size=4, in_flight=3)

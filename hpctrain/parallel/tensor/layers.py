@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.ops.fp8 import Fp8Spec
 from hpctrain.ops.linear import WeightGradQueue, linear
 from hpctrain.ops.norms import RMSNorm
 from hpctrain.parallel.tensor.comm import (
@@ -73,6 +74,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias_O is None else nn.Parameter(bias_O)
         self.out_features, self.in_features = weight_OD.shape
         self.wgrad_queue: WeightGradQueue | None = None
+        self.fp8: Fp8Spec | None = None  # set by hpctrain.parallel.fp8.apply_fp8
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
@@ -83,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(x, self.entry, self.group, self.counter)
-        y = linear(x, self.weight, self.bias, queue=self.wgrad_queue)
+        y = linear(x, self.weight, self.bias, queue=self.wgrad_queue, fp8=self.fp8)
         return gather_last(y, group=self.group, counter=self.counter) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -102,6 +104,7 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias_O is None else nn.Parameter(bias_O)  # replicated
         self.out_features, self.in_features = weight_OI.shape
         self.wgrad_queue: WeightGradQueue | None = None
+        self.fp8: Fp8Spec | None = None  # set by hpctrain.parallel.fp8.apply_fp8
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group,
@@ -111,7 +114,7 @@ class RowParallelLinear(nn.Module):
         return cls(cols.contiguous(), b, group=group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, queue=self.wgrad_queue)
+        y = linear(x, self.weight, queue=self.wgrad_queue, fp8=self.fp8)
         if self.exit == "reduce":
             y = reduce_from_tp(y, group=self.group, counter=self.counter)
         else:

@@ -1,0 +1,121 @@
+"""FP8 linears: the three float8 GEMMs equal an independent emulation (quantize with scales
+from amax, dequantize, multiply in fp32) exactly, forward and both backward products, for
+tensorwise and rowwise scaling; the deferred weight gradient equals the immediate one; the
+config refuses fp8 without bf16; apply_fp8 keeps the embedding and output head out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpctrain.models import PRESETS, build_model
+from hpctrain.ops.fp8 import Fp8Spec
+from hpctrain.ops.linear import WeightGradQueue, linear
+from hpctrain.parallel.fp8 import apply_fp8
+from tests.conftest import make_config
+
+T, I, O = 24, 40, 16  # noqa: E741 (the legend's I: input features)
+
+
+def _emulate(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """Quantize-dequantize, written independently of hpctrain.ops.fp8."""
+    fmax = torch.finfo(dtype).max
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = fmax / amax.float()
+    return (t * scale).clamp(-fmax, fmax).to(dtype).float() * scale.reciprocal()
+
+
+def _data():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, T // 2, I, generator=gen) * torch.linspace(0.1, 8, I)  # uneven columns
+    w = torch.randn(O, I, generator=gen) * 0.2
+    dy = torch.randn(2, T // 2, O, generator=gen) * torch.linspace(1e-3, 1, O)
+    return x, w, torch.randn(O, generator=gen), dy
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gemms_equal_emulation_exactly(recipe):
+    x, w, b, dy = _data()
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y = linear(xr, wr, br, fp8=Fp8Spec(recipe))
+    y.backward(dy)
+    row = recipe == "rowwise"
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x2, dy2 = x.reshape(T, I), dy.reshape(T, O)
+    y_want = _emulate(x2, e4, -1 if row else None) @ _emulate(w, e4, -1 if row else None).t() + b
+    dx_want = _emulate(dy2, e5, -1 if row else None) @ _emulate(w, e4, 0 if row else None)
+    dw_want = (_emulate(dy2, e5, 0 if row else None).t()
+               @ _emulate(x2, e4, 0 if row else None))
+    assert torch.equal(y.reshape(T, O), y_want)
+    assert torch.equal(xr.grad.reshape(T, I), dx_want)
+    assert torch.equal(wr.grad, dw_want)
+    assert torch.equal(br.grad, dy2.sum(0))
+    # and float8 really ran: not the fp32 product
+    assert (y.reshape(T, O) - (x2 @ w.t() + b)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_deferred_weight_grad_equals_immediate(recipe):
+    x, w, _, dy = _data()
+    w_now, w_later = w.clone().requires_grad_(), w.clone().requires_grad_()
+    linear(x, w_now, fp8=Fp8Spec(recipe)).backward(dy)
+    queue = WeightGradQueue()
+    queue.deferring, queue.tag = True, 0
+    xr = x.clone().requires_grad_()
+    linear(xr, w_later, queue=queue, fp8=Fp8Spec(recipe)).backward(dy)
+    assert w_later.grad is None and queue.pending(0) == 1
+    queue.run(0)
+    assert torch.equal(w_later.grad, w_now.grad)
+
+
+def test_bf16_autocast_outputs_bf16_grads_in_param_dtype():
+    x, w, _, dy = _data()
+    wr = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x, wr, fp8=Fp8Spec())
+    assert y.dtype == torch.bfloat16
+    y.backward(dy.bfloat16())
+    assert wr.grad.dtype == torch.float32
+
+
+def test_fp8_needs_bf16():
+    with pytest.raises(ValueError, match=r"train.fp8=true.*train.precision=fp32.*precision=bf16"):
+        make_config(["train.fp8=true", "train.precision=fp32"])
+    assert make_config(["train.fp8=true", "train.precision=bf16"]).train.fp8
+
+
+def test_apply_fp8_skips_embedding_and_head():
+    model = build_model(PRESETS["debug"], seed=0)
+    done = apply_fp8(model, recipe="rowwise", skip=("tok_embeddings", "output"))
+    assert model.output.fp8 is None and "output" not in done
+    assert model.layers[0].attn.wq.fp8 == Fp8Spec("rowwise")
+    assert len(done) == 7 * len(model.layers)  # wq wk wv wo w1 w2 w3
+
+
+def test_planner_times_block_linears_at_fp8_peak():
+    """H200: the block linears' FLOPs at the FP8 peak (1979 ≈ 2 × 989 TFLOP/s dense), the
+    rest (attention core, head) at bf16; MFU keeps the bf16 denominator."""
+    from hpctrain.metrics.devices import DEVICES
+    from hpctrain.plan.cluster import ClusterSpec
+    from hpctrain.plan.layout import Layout
+    from hpctrain.plan.shapes import fp8_flops_per_token, training_flops_per_token
+    from hpctrain.plan.time import step_time
+
+    h200 = DEVICES["H200"]
+    bf, p8 = h200.peak_flops("bf16"), h200.peak_flops("fp8")
+    assert p8 == 1979e12  # the datasheet's 3,958 TFLOPS with sparsity, halved
+    model = PRESETS["debug"].with_(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                                   ffn_dim=8192, vocab_size=32000, max_seq_len=2048)
+    cluster = ClusterSpec(device=h200, gpus_per_node=8, intra_node_bw=450e9, inter_node_bw=50e9)
+    kw = dict(layout=Layout(), global_batch=8, micro_batch_size=8, seq_len=2048)
+    bf16, fp8 = step_time(model, cluster, **kw), step_time(model, cluster, **kw, fp8=True)
+    f, f8 = training_flops_per_token(model, seq_len=2048), fp8_flops_per_token(model)
+    assert 0.5 < f8 / f < 1  # most of the work is block linears at this size
+    assert fp8.compute_s / bf16.compute_s == pytest.approx((f - f8 + f8 * bf / p8) / f, rel=1e-9)
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)
+    from hpctrain.plan.memory import memory_breakdown
+
+    mem = dict(seq_len=2048, micro_batch_size=8, in_flight=1)
+    extra = (memory_breakdown(model, Layout(), **mem, fp8=True).buffers
+             - memory_breakdown(model, Layout(), **mem).buffers)
+    assert extra == model.n_layers * (model.layer_params() - 2 * model.dim)  # 1 B per weight
