@@ -130,7 +130,9 @@ def test_run_prediction_counts_experts_once_per_ep_rank(tmp_path):
                        "cluster.procs_per_node=2", "parallel.dp=2", "parallel.ep=2",
                        "train.precision=bf16"], run_dir=tmp_path)
     model = PRESETS["debug_moe"]
-    psi_e = 4 * 4 * 3 * 32 * 96  # 4 MoE blocks × 4 experts × 3 matrices of 32 × 96
+    moe = model.moe  # debug_moe: 2 MoE blocks × 8 experts × 3 matrices of 32 × 48
+    psi_e = model.n_moe_layers * moe.num_experts * 3 * model.dim * model.expert_ffn_dim
+    assert psi_e == 2 * 8 * 3 * 32 * 48
     states = predicted_states(cfg)
     assert states.params == 2 * (model.num_params() - psi_e / 2)
     assert states.optimizer == 12 * (model.num_params() - psi_e / 2)
