@@ -72,3 +72,30 @@ def test_runtime_lets_only_split_backward_stages_defer():
         PipelineRuntime(lower_comm(schedule), local, pp_rank=0, peers=[0, 1],
                         act_shape=(1, 4, 8))
         assert [s.wgrad_queue.may_defer for s in local.stages.values()] == [want], name
+
+
+def test_linear_function_casts_only_when_dtypes_differ():
+    """Same dtypes, no autocast: LinearFunction saves x and W themselves (no cast copies) and
+    matches F.linear exactly; under bf16 autocast, or with a bf16 input and an fp32 weight, it
+    computes and saves in bf16 and returns the weight gradient in the weight's dtype."""
+    from hpctrain.ops.linear import LinearFunction
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, requires_grad=True)
+    x = torch.randn(2, 4, 5, requires_grad=True)
+    y = LinearFunction.apply(x, w, None, None)
+    assert [t.data_ptr() for t in y.grad_fn.saved_tensors] == [x.data_ptr(), w.data_ptr()]
+    y.sum().backward()
+    want = torch.nn.functional.linear(x, w)
+    gx, gw = torch.autograd.grad(want.sum(), (x, w))
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    torch.testing.assert_close((x.grad, w.grad), (gx, gw), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_autocast = LinearFunction.apply(x, w, None, None)
+    x16 = x.detach().bfloat16().requires_grad_()
+    for y16 in (y_autocast, LinearFunction.apply(x16, w, None, None)):
+        assert y16.dtype == torch.bfloat16
+        assert {t.dtype for t in y16.grad_fn.saved_tensors} == {torch.bfloat16}
+        w.grad = None
+        y16.float().sum().backward()
+        assert w.grad.dtype == torch.float32

@@ -70,6 +70,9 @@ class FlatUnit:
         if zero < 2:
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
             self.grad_shard = self.grad_full[lo:hi]
+            # each parameter's slice address: adopt_grad's check without building a view
+            self._grad_ptrs = [self.grad_full.data_ptr() + o * self.grad_full.element_size()
+                               for o in self.layout.offsets]
         else:
             self.grad_shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
         self.bind_params()
@@ -153,8 +156,11 @@ class FlatUnit:
 
     def adopt_grad(self, i: int) -> None:
         """Keep p.grad a view of grad_full even if autograd replaced it (out-of-place add)."""
-        p, view = self.params[i], self._view(self.grad_full, i)
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        p = self.params[i]
+        # runs in a hook per parameter and micro-batch: compare addresses, build a view only
+        # when a copy is due (profiled: the view per call was most of the hook's time)
+        if p.grad is not None and p.grad.data_ptr() != self._grad_ptrs[i]:
+            view = self._view(self.grad_full, i)
             view.copy_(p.grad)
             p.grad = view
 

@@ -199,7 +199,8 @@ class PipelineRuntime:
         if stage.is_last:
             loss = out / st.divisors[a.microbatch]
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)
-            out = loss * self.loss_multiplier
+            # no scaling (fp32/bf16): no extra node to run forward and backward per micro-batch
+            out = loss if self.loss_multiplier == 1.0 else loss * self.loss_multiplier
         else:
             st.mail["F", a.stage + 1, a.microbatch] = out.detach()
         if st.train:
