@@ -12,4 +12,4 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
