@@ -18,7 +18,7 @@ from typing import Any
 from hpctrain.config import Config, build
 from hpctrain.metrics.devices import DEVICES, lookup_device
 from hpctrain.parallel.pipeline.schedules import build_schedule
-from hpctrain.parallel.pipeline.simulate import simulate
+from hpctrain.plan.bubble import in_flight_microbatches
 from hpctrain.plan.calibrate import calibrated_cluster
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout
@@ -73,14 +73,16 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
 
 
 def simulated_in_flight(cfg: Config) -> int:
-    """Peak activation sets on the busiest rank, from the real schedule (1 without pp)."""
+    """Peak (microbatch, chunk) activation sets on the busiest rank, from the real schedule
+    (`hpctrain.plan.bubble`; 1 without pp)."""
     p = cfg.parallel
     if p.pp == 1:
         return 1
-    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
-                              virtual_stages=p.virtual_stages)
-    peak = max(simulate(schedule, t_f=1.0, t_b=1.0, t_w=1.0).peak_activations)
-    return -(-peak // schedule.chunks)  # a chunk holds 1/v of the rank's layers
+    layout = layout_of(cfg)
+    build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
+                   virtual_stages=p.virtual_stages)  # the runtime's checks, same messages
+    return in_flight_microbatches(layout.schedule, pp=p.pp, m=cfg.grad_accum,
+                                  v=layout.virtual_stages)
 
 
 def layout_of(cfg: Config) -> Layout:
