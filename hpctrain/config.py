@@ -72,6 +72,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     grad_comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # on the wire; fp32 accumulation
     timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
+    # parallel=auto: the planner chooses every degree, the schedule, ZeRO and activation
+    # checkpointing at launch (hpctrain.plan.auto); the values above are replaced.
+    auto: bool = False
 
     @property
     def world_size(self) -> int:

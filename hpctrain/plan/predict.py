@@ -84,6 +84,8 @@ def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str,
     out = {"predicted_step_time_s": st.step_time_s, "predicted_compute_s": st.compute_s,
            "predicted_peak_flops": cluster.device.peak_flops(cfg.train.precision),
            "predicted_device": cluster.device.name,
+           "layout": f"{layout_of(cfg).describe()} {cfg.train.activation_checkpointing}",
+           "parallel_auto": cfg.parallel.auto,
            "predicted_mem_model_state_bytes": int(states.total)}
     out.update({f"predicted_{key}": int(getattr(states, name)) for name, key in STATE_KEYS})
     return out

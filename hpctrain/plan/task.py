@@ -42,6 +42,12 @@ class PlanConfig:
     # Typical document length (tokens) of rows packed with data.packing=documents: attention
     # FLOPs count min(it, seq_len) keys per token instead of seq_len. None: whole rows.
     document_tokens: int | None = None
+    # Before a training run (hpctrain.plan.auto): a layout whose predicted peak bytes per rank
+    # exceed (1 − headroom) × the device memory is refused, unless force. memory_limit_gb
+    # (GiB) replaces the device table's memory; on a CPU without it nothing is refused.
+    headroom: float = 0.1
+    memory_limit_gb: float | None = None
+    force: bool = False
 
 
 def plan_settings(cfg: Config) -> PlanConfig:
