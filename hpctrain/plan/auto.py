@@ -34,8 +34,9 @@ from hpctrain.config import Config
 from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.calibrate import local_cluster
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.predict import predicted_peak
 from hpctrain.plan.search import GIB, Candidate, evaluate_layout, search_layouts
-from hpctrain.plan.task import cluster_spec, layout_of, plan_settings, simulated_in_flight
+from hpctrain.plan.task import cluster_spec, layout_of, plan_settings
 
 log = logging.getLogger(__name__)
 NOMINAL_CPU_FLOPS = 50e9  # only ranks layouts; the time model's own numbers need a device row
@@ -152,6 +153,9 @@ def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Ca
     """`cfg` with the chosen layout, and the ranking (module docstring). ValueError with the
     closest candidates' numbers when no layout fits and runs."""
     order = ranked(cfg, accept=accept)
+    refused = {why for c, why in order if c.fits}
+    if order and order[0][1] != "best" and len(refused) == 1:  # not the layouts' fault
+        raise ValueError(f"parallel=auto: every layout that fits is refused: {refused.pop()}")
     if not order or order[0][1] != "best":
         closest = "; ".join(f"{c.layout.describe()} {c.recompute}: {c.memory.total / GIB:.3g} "
                             f"GiB ({why})" for c, why in order[:3])
@@ -165,36 +169,26 @@ def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Ca
     return with_layout(cfg, order[0][0]), order
 
 
-def predicted_peak(cfg: Config, cluster: ClusterSpec):
-    """MemoryBreakdown of `cfg`'s own layout on `cluster` (in-flight count simulated)."""
-    t = cfg.train
-    return evaluate_layout(
-        cfg.model, cluster, layout_of(cfg), t.activation_checkpointing,
-        global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-        seq_len=t.seq_len, precision=t.precision, dp_overlap=0.0,
-        in_flight=simulated_in_flight(cfg)).memory
-
-
 def fit_problems(cfg: Config, *, accept: Accept) -> list[str]:
     """A training layout predicted above the usable memory, unless plan.force (module doc)."""
     settings = plan_settings(cfg)
     if cfg.task != "train" or settings.force:
         return []
-    cluster = planning_cluster(cfg)
-    limit = memory_limit(cfg, cluster)
-    mem = predicted_peak(cfg, cluster)
-    if limit is None or mem.total <= limit * (1 - settings.headroom):
+    limit = memory_limit(cfg, planning_cluster(cfg))
+    if limit is None:
         return []
-    states = mem.params + mem.grads + mem.optimizer
+    mem = predicted_peak(cfg)
+    if mem["total"] <= limit * (1 - settings.headroom):
+        return []
     try:
         better = choose_layout(cfg, accept=accept)[1][0][0]
         fix = f"use parallel=auto (it would run {better.layout.describe()} {better.recompute})"
     except ValueError:
         fix = "add ranks or lower train.micro_batch_size (no layout of this job fits)"
     return [f"{layout_of(cfg).describe()} with train.activation_checkpointing="
-            f"{cfg.train.activation_checkpointing} is predicted to need {mem.total / GIB:.3g} GiB "
-            f"per rank (model states {states / GIB:.3g}, activations "
-            f"{mem.activations / GIB:.3g}, buffers {mem.buffers / GIB:.3g}) but "
+            f"{cfg.train.activation_checkpointing} is predicted to need {mem['total'] / GIB:.3g} "
+            f"GiB per rank (model states {mem['states'] / GIB:.3g}, activations "
+            f"{mem['activations'] / GIB:.3g}) but "
             f"{(1 - settings.headroom):.0%} of {limit / GIB:.3g} GiB is "
             f"{limit * (1 - settings.headroom) / GIB:.3g} GiB (plan.memory_limit_gb / the "
             f"device, plan.headroom={settings.headroom}): {fix}, raise parallel.zero, set "

@@ -35,14 +35,14 @@ def _check(schedule: str, pp: int, m: int, v: int) -> None:
 
 @lru_cache(maxsize=8192)
 def _simulated(schedule: str, pp: int, m: int, v: int, costs: tuple[float, ...]):
-    """(bubble rate, peak activation sets on the busiest rank) of the built schedule."""
+    """(bubble rate, peak activation sets per rank) of the built schedule."""
     if schedule == "interleaved_1f1b":
         built = interleaved_1f1b(pp, m, v)
     else:
         built = BUILDERS[schedule](pp, m)
     t_f, t_b, t_w, t_comm = costs
     sim = simulate(built, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm)
-    return sim.bubble_rate, max(sim.peak_activations)
+    return sim.bubble_rate, tuple(sim.peak_activations)
 
 
 def _ratios(t_f: float, t_b: float, t_w: float, t_comm: float) -> tuple[float, ...]:
@@ -78,7 +78,12 @@ def in_flight_microbatches(schedule: str, *, pp: int, m: int, v: int = 1) -> int
     One set = the activations of n_layers/(pp·v) layers for one microbatch, so memory is
     in_flight × that (`hpctrain.plan.memory`). pp = 1 keeps one microbatch at a time.
     """
+    return max(in_flight_by_rank(schedule, pp=pp, m=m, v=v))
+
+
+def in_flight_by_rank(schedule: str, *, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Peak (microbatch, chunk) activation sets alive on each pipeline rank (first to last)."""
     _check(schedule, pp, m, v)
     if pp == 1:
-        return 1
+        return (1,)
     return _simulated(schedule, pp, m, v, (1.0, 1.0, 1.0, 0.0))[1]

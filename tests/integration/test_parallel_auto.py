@@ -10,7 +10,7 @@ import pytest
 
 from hpctrain import tasks
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.plan.auto import planning_cluster, predicted_peak
+from hpctrain.plan.predict import predicted_peak
 from hpctrain.plan.search import GIB
 from tests.conftest import ROOT, make_config
 
@@ -29,7 +29,7 @@ def _losses(run_dir):
 
 def test_memory_check_refuses_over_and_runs_just_under_then_auto_matches_it(tmp_path):
     cfg = make_config(SMALL, run_dir=tmp_path / "probe")
-    need = predicted_peak(cfg, planning_cluster(cfg)).total / GIB / 0.9  # headroom 0.1
+    need = predicted_peak(cfg)["total"] / GIB / 0.9  # headroom 0.1
     with pytest.raises(ValueError, match="is predicted to need") as refused:  # before launch
         tasks.run(make_config([*SMALL, f"plan.memory_limit_gb={need * 0.95}"],
                               run_dir=tmp_path / "over"))
