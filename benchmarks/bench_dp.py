@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.distributed.teardown import close_process_groups  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.parallel.memory import storage_bytes  # noqa: E402
@@ -247,6 +248,7 @@ def rank_main(rank: int, world: int, store_path: str, args, results) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
+    finished = False
     try:
         if args.profile:
             out = {pair: profile_pair(pair, args) for pair in args.pairs}
@@ -254,8 +256,9 @@ def rank_main(rank: int, world: int, store_path: str, args, results) -> None:
             out = [run_pair(pair, args) for pair in args.pairs]
         if rank == 0:
             results["out"] = out
+        finished = True
     finally:
-        dist.destroy_process_group()
+        close_process_groups(clean=finished)
 
 
 # -- report --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from hpctrain.distributed.teardown import close_process_groups  # noqa: E402
 from hpctrain.models import ModelConfig  # noqa: E402
 from hpctrain.ops.linear import Linear  # noqa: E402
 
@@ -41,12 +42,14 @@ def _entry(rank: int, world: int, store_path: str, fn, args, out_path: str) -> N
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    finished = False
     try:
         result = fn(rank, world, args)
         if rank == 0:
             Path(out_path).write_text(json.dumps(result))
+        finished = True
     finally:
-        dist.destroy_process_group()
+        close_process_groups(clean=finished)
 
 
 def spawn(fn, args, *, world: int = 2) -> dict:

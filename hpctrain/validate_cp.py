@@ -1,8 +1,9 @@
 """Checks of the context-parallel axis (`parallel.cp`), each naming the fix.
 
 The zigzag layout (hpctrain.parallel.context.shard) cuts every row into 2·cp equal chunks, so
-the sequence length must divide by 2·cp. What is not built yet with cp > 1 is refused here,
-never run silently wrong.
+the sequence length must divide by 2·cp. Activation checkpointing composes with cp (full
+reruns the ring in backward, selective leaves ring attention alone: models/checkpointing.py).
+Whatever is not built yet with cp > 1 is refused here, never run silently wrong.
 """
 
 from __future__ import annotations
@@ -20,8 +21,4 @@ def check_cp(c: Config) -> list[str]:
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
                     f"that is a multiple of {2 * p.cp}, or parallel.cp in {ok}")
-    if c.train.activation_checkpointing != "none":
-        errs.append(f"parallel.cp={p.cp} with train.activation_checkpointing="
-                    f"{c.train.activation_checkpointing} is not implemented yet: set "
-                    "train.activation_checkpointing=none")
     return errs

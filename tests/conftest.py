@@ -6,8 +6,17 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import World
+
+# The `triton` attention backend runs on CPU only under Triton's interpreter, and a process
+# fixes that mode when it first imports triton (its language library is jitted then). Switch it
+# on here, before any test imports triton or spawns a world (ranks inherit the environment),
+# on machines without CUDA; with CUDA the kernels run natively (tests/gpu) and the interpreted
+# tests skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

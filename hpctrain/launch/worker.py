@@ -25,6 +25,7 @@ from hpctrain.distributed import hang_report
 from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import Mesh, build_mesh
+from hpctrain.distributed.teardown import close_process_groups
 from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
 from hpctrain.metrics.redact import install_log_filter
 
@@ -76,12 +77,15 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
                             timeout=timeout, **kwargs)
     watchdog = Watchdog(run_dir, rank=rank, world_size=world_size,
                         timeout_s=cfg.cluster.timeout_s)
+    finished = False
     try:
         p = cfg.parallel
         dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
         mesh = build_mesh(dims, rank=rank, device=device, timeout=timeout, heartbeat=watchdog)
         with watchdog:
-            return task(cfg, mesh)
+            result = task(cfg, mesh)
+        finished = True
+        return result
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # torch's CheckpointException is a BaseException
@@ -90,4 +94,4 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
         watchdog.report(hang_report.first_line(err), tb=err.__traceback__)
         exit_now(EXIT_HANG)  # the job is over: no teardown (seconds on a loaded node)
     finally:
-        dist.destroy_process_group()
+        close_process_groups(clean=finished)

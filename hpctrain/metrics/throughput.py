@@ -2,6 +2,9 @@
 
 MFU = achieved model FLOP/s per device / the device's dense bf16 peak, with model FLOPs from
 `ModelConfig.training_flops` (6 per weight per token plus attention; no recomputation counted).
+For a mixture of experts the weights are the active ones (router, top_k routed and shared
+experts a token passes through), as Mixtral and DeepSeek report MFU; the run summary says so
+(`parameter_counts`).
 Only real tokens count: padding (targets = IGNORE_INDEX) is neither throughput nor FLOPs, and
 attention FLOPs come from the real document lengths (Σ lᵢ² over the documents of packed rows,
 L² per row without documents). An unknown device (including any CPU) has no peak in the table:
@@ -22,6 +25,16 @@ from hpctrain.models.config import ModelConfig
 from hpctrain.ops.documents import IGNORE_INDEX, split_micro_batch
 
 log = logging.getLogger(__name__)
+
+
+def parameter_counts(model: ModelConfig) -> dict[str, int | str]:
+    """The summary's counts: `params` (total); with routed experts also `params_active` (per
+    token) and `mfu_flops` naming the FLOPs MFU counts."""
+    out: dict[str, int | str] = {"params": model.num_params()}
+    if model.moe.enabled:
+        out.update(params_active=model.num_params(active=True),
+                   mfu_flops="active (router + top_k routed + shared experts per token)")
+    return out
 
 
 def peak_bf16_flops(device_name: str) -> float | None:

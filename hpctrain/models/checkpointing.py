@@ -9,6 +9,18 @@ plans and parity comparisons line up with and without recomputation, at any pipe
 Recomputation reruns hpctrain's Linear forward inside the backward, so a zero-bubble B action
 that defers weight gradients files closures holding the *recomputed* inputs (see
 hpctrain.ops.linear): the W action needs nothing else.
+
+Under context parallelism (hpctrain.parallel.context) `full` reruns each block's ring attention
+in backward, communication included: every cp rank recomputes the same layer at the same point
+of its backward (the ranks walk the same layers in the same order), forward and backward
+traffic carry separate tags, and the ring merges its blocks in a fixed order, so the recompute
+reproduces the first forward's output and log-sum-exp (the fp64 cp=2 tests check it). That
+costs (cp − 1) key/value shards per layer more (counted in comm_cp_bytes and the planner), and
+keeps full's promise of holding only block inputs. The alternative, keeping the ring's own
+output and log-sum-exp through the recompute, would hold about another block input per layer.
+`selective` leaves a core whose class sets `selective_recompute = False` (ring attention) as it
+is: it keeps no score matrix (only q, k/v, its output and log-sum-exp, as FlashAttention does),
+so recomputing it would rerun the ring to free almost nothing.
 """
 
 from __future__ import annotations
@@ -35,4 +47,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in layers:
-        recompute_in_backward(block if mode == "full" else block.attn.core)
+        if mode == "full":
+            recompute_in_backward(block)
+        elif getattr(block.attn.core, "selective_recompute", True):
+            recompute_in_backward(block.attn.core)

@@ -133,5 +133,16 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("llama3_8b", 128256, 4096, 32, 32, 8, 14336, 8192, rope_theta=500000.0),
         ModelConfig("llama3_70b", 128256, 8192, 80, 64, 8, 28672, 8192, rope_theta=500000.0),
         ModelConfig("llama3_405b", 128256, 16384, 126, 128, 8, 53248, 8192, rope_theta=500000.0),
+        # Tiny routed-experts model for CPU runs and tests.
+        ModelConfig("debug_moe", _BYTE_VOCAB, 32, 4, 4, 2, 96, 128,
+                    moe=MoEConfig(num_experts=4, top_k=2)),
+        # Mixtral-8x7B (Jiang et al. 2024): 46.7B total, 12.9B active parameters.
+        ModelConfig("mixtral_8x7b", 32000, 4096, 32, 32, 8, 14336, 32768, rope_theta=1e6,
+                    moe=MoEConfig(num_experts=8, top_k=2)),
+        # DeepSeekMoE-16B (Dai et al. 2024): 64 fine-grained routed experts (top 6) + 2 shared;
+        # its layer 0 is dense (ffn 10944), here every layer is MoE (see conf/model yaml).
+        ModelConfig("deepseek_moe_16b", 102400, 2048, 28, 16, 16, 10944, 4096, norm_eps=1e-6,
+                    moe=MoEConfig(num_experts=64, top_k=6, shared_experts=2,
+                                  expert_ffn_dim=1408)),
     )
 }

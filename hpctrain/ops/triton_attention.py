@@ -122,8 +122,25 @@ def key_tile_ranges(ids_BL: torch.Tensor, *, bm: int, bn: int) -> torch.Tensor:
     return torch.stack([free_lo, free_hi, hi], dim=-1).int().contiguous()
 
 
-def _ranges(fn, ids, *, B: int, L: int, bm: int, bn: int, device) -> torch.Tensor:
-    """fn's tile ranges for every row; without documents one row of zeros, shared (stride 0)."""
+def cross_tile_ranges(L: int, *, step: int, documents: bool, keys: bool, device) -> torch.Tensor:
+    """[1, tiles, 3] int32 tile ranges of a non-causal block (every key precedes every query):
+    nothing skipped; mask-free up to the last whole tile of `step` rows without documents
+    (rows past L must be masked), all masked with them. Query tiles (lo, free_lo, free_hi),
+    key tiles (free_lo, free_hi, hi) as in query_tile_ranges / key_tile_ranges."""
+    free = 0 if documents else L // step * step
+    row = (0, free, L) if keys else (0, 0, free)
+    tiles = triton_cdiv(L, step)
+    return torch.tensor(row, dtype=torch.int32, device=device).expand(1, tiles, 3).contiguous()
+
+
+def _ranges(fn, ids, *, B: int, L: int, bm: int, bn: int, device,
+            causal: bool = True) -> torch.Tensor:
+    """fn's tile ranges for every row; without documents one row of zeros, shared (stride 0).
+    Non-causal: cross_tile_ranges, shared by every row."""
+    if not causal:
+        keys = fn is key_tile_ranges
+        return cross_tile_ranges(L, step=bm if keys else bn, documents=ids is not None,
+                                 keys=keys, device=device).expand(B, -1, -1)
     if ids is not None:
         return fn(ids, bm=bm, bn=bn)
     return fn(torch.zeros(1, L, dtype=torch.int32, device=device), bm=bm, bn=bn).expand(B, -1, -1)
@@ -151,40 +168,52 @@ def _head_pad(H: int) -> int:
     return max(16, 1 << (H - 1).bit_length())  # tl.arange needs a power of two, tl.dot ≥ 16
 
 
-def _forward(q, k, v, ids, *, interpret):
+def forward_lse2(q, k, v, ids, *, interpret, ids_k=None, causal=True):
+    """(o, lse2): lse2 in log2 units. `ids_k` the keys' document ids (default `ids`)."""
     B, N, L, H = q.shape
     bm, bn = _tiles("fwd", interpret)
     o = torch.empty(B, L, N, H, dtype=q.dtype, device=q.device).transpose(1, 2)  # BNLH view
     lse = torch.empty(B, N, L, dtype=_acc_dtype(q.dtype), device=q.device)
-    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
+    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device,
+                     causal=causal)
     grid = (triton_cdiv(L, bm), B * N)
     kernels().attn_fwd[grid](
-        q, k, v, o, lse, ids, ranges, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, lse, ids, ids if ids_k is None else ids_k, ranges,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         ranges.stride(0), L, H, N, N // k.shape[1], QK_SCALE2=_scale(H) * math.log2(math.e),
         HAS_DOCS=ids is not None, BM=bm, BN=bn, HP=_head_pad(H), PREC=_precision(q.dtype),
-        ACC=_tl_dtype(q.dtype), **_launch("fwd", interpret))
+        ACC=_tl_dtype(q.dtype), CAUSAL=causal, **_launch("fwd", interpret))
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, ids, *, interpret):
-    B, N, L, H = q.shape
-    K = k.shape[1]
     # The preprocess: Δ_i = Σ_h dO_ih O_ih, in the accumulation dtype.
     delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).contiguous()
+    return backward_given(do, q, k, v, lse, delta, ids, interpret=interpret)
+
+
+def backward_given(do, q, k, v, lse, delta, ids, *, interpret, ids_k=None, causal=True):
+    """(dq, dk, dv) from the rows' final lse2 (log2 units) and Δ = rowsum(dO ∘ O)."""
+    B, N, L, H = q.shape
+    K = k.shape[1]
+    ids_k = ids if ids_k is None else ids_k
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(HAS_DOCS=ids is not None, HP=_head_pad(H), PREC=_precision(q.dtype),
-                  ACC=_tl_dtype(q.dtype))
+                  ACC=_tl_dtype(q.dtype), CAUSAL=causal)
     scales = dict(QK_SCALE2=_scale(H) * math.log2(math.e), SM_SCALE=_scale(H))
     bm, bn = _tiles("dq", interpret)
-    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
+    ranges = _ranges(query_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device,
+                     causal=causal)
     kernels().attn_bwd_dq[(triton_cdiv(L, bm), B * N)](
-        q, k, v, do, dq, lse, delta, ids, ranges, *_strides(q), *_strides(k), *_strides(v),
+        q, k, v, do, dq, lse, delta, ids, ids_k, ranges, *_strides(q), *_strides(k), *_strides(v),
         *_strides(do), *_strides(dq), ranges.stride(0), L, H, N, N // K, **scales, BM=bm,
         BN=bn, **common, **_launch("dq", interpret))
     bm, bn = _tiles("dkdv", interpret)
-    ranges = _ranges(key_tile_ranges, ids, B=B, L=L, bm=bm, bn=bn, device=q.device)
+    ranges = _ranges(key_tile_ranges, ids_k, B=B, L=L, bm=bm, bn=bn, device=q.device,
+                     causal=causal)
     kernels().attn_bwd_dkdv[(triton_cdiv(L, bn), B * K)](
-        q, k, v, do, dk, dv, lse, delta, ids, ranges, *_strides(q), *_strides(k), *_strides(v),
+        q, k, v, do, dk, dv, lse, delta, ids, ids_k, ranges,
+        *_strides(q), *_strides(k), *_strides(v),
         *_strides(do), *_strides(dk), *_strides(dv), ranges.stride(0), L, H, K, N // K,
         **scales, BM=bm, BN=bn, **common, **_launch("dkdv", interpret))
     return dq, dk, dv
@@ -198,7 +227,7 @@ def _scale(H: int) -> float:
     return 1.0 / math.sqrt(H)
 
 
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -208,7 +237,7 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ids):
         interpret = q.device.type != "cuda"
-        o, lse = _forward(q, k, v, ids, interpret=interpret)
+        o, lse = forward_lse2(q, k, v, ids, interpret=interpret)
         ctx.save_for_backward(q, k, v, o, lse, ids)
         ctx.interpret = interpret
         return o
@@ -216,7 +245,7 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, ids = ctx.saved_tensors
-        dq, dk, dv = _backward(_rows_contiguous(do), q, k, v, o, lse, ids,
+        dq, dk, dv = _backward(rows_contiguous(do), q, k, v, o, lse, ids,
                                interpret=ctx.interpret)
         return dq, dk, dv, None
 
@@ -227,7 +256,7 @@ def triton_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.T
     if (problem := mode_problem(q_BNLH.device.type)) is not None:
         raise ValueError(problem)
     dtype = q_BNLH.dtype
-    q, k, v = (_rows_contiguous(x) for x in (q_BNLH, k_BKLH, v_BKLH))
+    q, k, v = (rows_contiguous(x) for x in (q_BNLH, k_BKLH, v_BKLH))
     if q.device.type != "cuda" and dtype not in (torch.float32, torch.float64):
         q, k, v = q.float(), k.float(), v.float()
     ids = None if docs is None else docs.ids_BL.to(torch.int32).contiguous()

@@ -31,7 +31,12 @@ def block_numels(model: ModelConfig) -> list[int]:
 
 
 def param_groups(model: ModelConfig) -> tuple[list[int], list[list[int]], list[int]]:
-    """(embedding, per-block sizes, after-blocks sizes: final norm and an untied head)."""
+    """(embedding, per-block sizes, after-blocks sizes: final norm and an untied head).
+    Dense models only: routed experts are placed by `hpctrain.plan.experts`."""
+    if model.moe.enabled:
+        raise ValueError(f"model.moe.num_experts={model.moe.num_experts}: the flat engine's "
+                         "expert units are not modelled element by element; use "
+                         "hpctrain.plan.memory.rank_state_bytes for a model with experts")
     tail = [model.dim] + ([] if model.tied_embeddings else [model.vocab_size * model.dim])
     blocks = [block_numels(model) for _ in range(model.n_layers)]
     return [model.vocab_size * model.dim], blocks, tail

@@ -79,8 +79,19 @@ class LayerCost:
     w: float
 
 
+def mlp_width(model: Shape) -> float:
+    """The MLP width a token passes through, averaged over layers: ffn_dim for dense layers,
+    (top_k + shared) · expert_ffn_dim for MoE layers (the active experts' GEMMs)."""
+    moe = getattr(model, "moe", None)
+    if moe is None or not moe.enabled:
+        return model.ffn_dim
+    n_moe = model.n_moe_layers
+    active = (moe.top_k + moe.shared_experts) * model.expert_ffn_dim
+    return ((model.n_layers - n_moe) * model.ffn_dim + n_moe * active) / model.n_layers
+
+
 def _projections(model: Shape, r: Roofline, *, tokens: int, tp: int, elem: int) -> float:
-    d, f = model.dim, model.ffn_dim
+    d, f = model.dim, mlp_width(model)
     kv = model.n_kv_heads * (d // model.n_heads)
     ups = 1 if isinstance(model, GPTShape) else 2  # GELU MLP vs gated (SwiGLU) MLP
     return (r.gemm(tokens, (d + 2 * kv) / tp, d, elem=elem)
@@ -109,7 +120,7 @@ def layer_cost(model: Shape, r: Roofline, *, mbs: int, seq_len: int, keys: float
     elem = 4 if precision == "fp32" else 2
     tokens = mbs * seq_len
     shared = 2 * 2 + 2 * 3.5  # elements ×h per token: 2 LayerNorms, 2 bias+dropout+add
-    per_token = (shared * model.dim / (tp if sp else 1) + 2 * model.ffn_dim / tp) * elem
+    per_token = (shared * model.dim / (tp if sp else 1) + 2 * mlp_width(model) / tp) * elem
     proj = _projections(model, r, tokens=tokens, tp=tp, elem=elem)
     core = _attention_core(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=tp, elem=elem)
     elementwise = r.stream(tokens * per_token)

@@ -12,6 +12,7 @@ from hpctrain.distributed.dims import ParallelDims
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "cpu"]
+CpComm = Literal["ring", "allgather"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -23,7 +24,8 @@ INTERLEAVED = ("interleaved_1f1b", "zbv")
 @dataclass(frozen=True)
 class Layout:
     """dp·tp·pp ranks; `virtual_stages` model chunks per pipeline rank (interleaved schedules);
-    ZeRO stage 0–3 over dp; optimizer `offload`; sequence parallelism `sp` inside tp groups."""
+    ZeRO stage 0–3 over dp; optimizer `offload`; sequence parallelism `sp` inside tp groups;
+    routed experts sharded over `ep` consecutive dp ranks (ep divides dp; no extra ranks)."""
 
     dp: int = 1
     tp: int = 1
@@ -34,6 +36,8 @@ class Layout:
     sp: bool = False
     schedule: str = "1f1b"
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    ep: int = 1  # expert parallelism inside dp (hpctrain.plan.experts)
+    cp_comm: CpComm = "ring"  # how key/value shards travel under cp > 1 (parallel.cp_comm)
 
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # degrees >= 1
@@ -41,8 +45,14 @@ class Layout:
             raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload={self.offload!r} must be 'none' or 'cpu'")
+        if self.cp_comm not in ("ring", "allgather"):
+            raise ValueError(f"cp_comm={self.cp_comm!r} must be 'ring' or 'allgather'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp="
+                             f"{self.dp} (expert ranks live inside the dp group): choose ep "
+                             f"from {[e for e in range(1, self.dp + 1) if self.dp % e == 0]}")
         v = self.virtual_stages
         if self.schedule == "zbv" and v != 2:
             raise ValueError(f"schedule='zbv' places 2 chunks per rank; got virtual_stages={v}")
@@ -64,6 +74,8 @@ class Layout:
         """Short label, e.g. 'dp4 tp2 pp2 v1 z1 1f1b sp'."""
         extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
         extras += f" cp{self.cp}" if self.cp > 1 else ""
+        extras += f" ep{self.ep}" if self.ep > 1 else ""
+        extras += " allgather" if self.cp > 1 and self.cp_comm == "allgather" else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "
             f"{self.schedule}{extras}"
@@ -85,8 +97,15 @@ def layout_problems(
     model, layout: Layout, *, global_batch: int, micro_batch_size: int
 ) -> list[str]:
     """Reasons `layout` cannot run `model` (empty when valid): heads % tp, layers % (pp·v),
-    global batch % (mbs·dp), and interleaved schedules needing m % pp == 0 (Megatron's rule)."""
+    global batch % (mbs·dp), interleaved schedules needing m % pp == 0 (Megatron's rule), and
+    experts % ep (ep > 1 only for a model with routed experts)."""
     problems = []
+    moe = getattr(model, "moe", None)
+    experts = moe.num_experts if moe is not None else 0
+    if layout.ep > 1 and experts == 0:
+        problems.append(f"ep={layout.ep} needs routed experts (model.moe.num_experts=0): ep=1")
+    elif layout.ep > 1 and experts % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide num_experts={experts}")
     if model.n_heads % layout.tp:
         problems.append(f"n_heads={model.n_heads} not divisible by tp={layout.tp}")
     kv = getattr(model, "n_kv_heads", model.n_heads)

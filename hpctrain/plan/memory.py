@@ -29,13 +29,15 @@ Stored activations = in_flight × (n_layers / (pp·v)) layers, in_flight from th
 busiest rank is the first stage, which has no output layer. The embedding dropout mask is
 not counted. Context parallelism (cp) replaces s by s/cp in every activation term (each rank
 holds s/cp tokens of each row) and shards ZeRO states over dp·cp (parameters are replicated
-over both axes).
+over both axes). Mixture of experts (routed experts 1/ep per rank, their ZeRO states over
+(dp/ep)·cp, the routed-token activations of MoE blocks): `hpctrain.plan.experts`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.plan import experts
 from hpctrain.plan.layout import PRECISIONS, RECOMPUTES, Layout
 from hpctrain.plan.shapes import Shape, rank_params
 
@@ -151,7 +153,21 @@ def activation_bytes(
     if layout.pp == 1:
         s, b, h, v = seq_len, micro_batch_size, model.dim, model.vocab_size
         total += 4 * s * b * (h + v) / layout.tp
+    if experts.is_moe(model):
+        total += _routed_bytes(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                               in_flight=in_flight, recompute=recompute)
     return total * (2 if precision == "fp32" else 1)
+
+
+def _routed_bytes(model, layout: Layout, *, seq_len, micro_batch_size, in_flight,
+                  recompute) -> float:
+    """Routed-token activations of the MoE blocks alive at the peak (`seq_len` per cp rank):
+    in_flight × MoE blocks per chunk, or the one block being recomputed under full."""
+    tokens = experts.rank_tokens(layout, seq_len=seq_len, micro_batch_size=micro_batch_size)
+    one = experts.routed_activation_bytes(model, tokens=tokens)
+    if recompute == "full":
+        return one
+    return in_flight * model.n_moe_layers / (layout.pp * layout.virtual_stages) * one
 
 
 def buffer_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> float:
@@ -159,9 +175,25 @@ def buffer_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> fl
     unsharded parameters (the one in use and the prefetched next)."""
     p_b = state_bytes_per_param(precision)[0]
     total = REDUCE_BUCKET_BYTES if layout.dp > 1 else 0.0
-    if layout.zero == 3 and layout.dp > 1:
+    if layout.zero == 3 and layout.dp > 1 and experts.is_moe(model):
+        total += 2 * p_b * experts.rank_layer_params(model, tp=layout.tp, ep=layout.ep)
+    elif layout.zero == 3 and layout.dp > 1:
         total += 2 * p_b * model.layer_params() / layout.tp
     return float(total)
+
+
+def rank_state_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> ModelStates:
+    """Model states on one rank: dense Ψ sharded (ZeRO) over the dp×cp group, which replicates
+    it; routed experts' Ψ_E/(pp·ep) over the (dp/ep)·cp ranks holding the same experts."""
+    kw = dict(zero=layout.zero, precision=precision, offload=layout.offload)
+    psi = rank_params(model, tp=layout.tp, pp=layout.pp)
+    states = model_state_bytes(psi, dp=layout.dp * layout.cp, **kw)
+    psi_e = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
+    if not psi_e:
+        return states
+    ex = model_state_bytes(psi_e, dp=layout.dp // layout.ep * layout.cp, **kw)
+    return ModelStates(states.params + ex.params, states.grads + ex.grads,
+                       states.optimizer + ex.optimizer, host=states.host + ex.host)
 
 
 def memory_breakdown(
@@ -173,10 +205,7 @@ def memory_breakdown(
     `in_flight`: (microbatch, chunk) activation sets alive at the peak; take it from the
     pipeline simulator, or `bubble.in_flight_microbatches` for the closed form (1 for pp=1).
     """
-    psi = rank_params(model, tp=layout.tp, pp=layout.pp)
-    states = model_state_bytes(  # ZeRO shards over the dp×cp group (replicas of both)
-        psi, dp=layout.dp * layout.cp, zero=layout.zero, precision=precision, offload=layout.offload
-    )
+    states = rank_state_bytes(model, layout, precision=precision)
     acts = activation_bytes(
         model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
         in_flight=in_flight, recompute=recompute, precision=precision,

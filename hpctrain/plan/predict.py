@@ -15,6 +15,9 @@ Memory: tp = pp = 1 layouts run on the flat engine, predicted exactly with its p
 (`hpctrain.plan.flat_states`); tp or pp layouts keep fp32 parameters under autocast and
 use torch's AdamW, so they get `model_state_bytes(Ψ_rank, precision='fp32')` — an estimate:
 norm weights are counted as split over tp and AdamW's per-tensor step counters are left out.
+Models with routed experts get the analytical `rank_state_bytes` (experts 1/ep, their ZeRO
+states over dp/ep) in the same precisions: the flat engine's expert units are not modelled
+element by element.
 """
 
 from __future__ import annotations
@@ -30,8 +33,14 @@ from hpctrain.plan.activations import stage_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.calibrate import local_cluster, measure_device
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.experts import is_moe
 from hpctrain.plan.flat_states import flat_state_bytes
-from hpctrain.plan.memory import ModelStates, model_state_bytes, state_bytes_per_param
+from hpctrain.plan.memory import (
+    ModelStates,
+    model_state_bytes,
+    rank_state_bytes,
+    state_bytes_per_param,
+)
 from hpctrain.plan.shapes import rank_params
 from hpctrain.plan.task import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.time import step_time
@@ -57,6 +66,10 @@ def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSp
 def predicted_states(cfg: Config) -> ModelStates:
     """Model-state bytes on the busiest rank of `cfg`'s layout (module docstring)."""
     p = cfg.parallel
+    if is_moe(cfg.model):
+        flat = p.tp == 1 and p.pp == 1
+        return rank_state_bytes(cfg.model, layout_of(cfg),
+                                precision=cfg.train.precision if flat else "fp32")
     if p.tp == 1 and p.pp == 1:
         return flat_state_bytes(cfg.model, dp=p.dp, zero=p.zero, precision=cfg.train.precision,
                                 bucket_mb=p.bucket_mb, offload=p.offload)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from hpctrain.plan.bubble import in_flight_microbatches
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.experts import is_moe
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
 from hpctrain.plan.search import Candidate, evaluate_layout
 from hpctrain.plan.shapes import Shape
@@ -25,7 +26,8 @@ def plan_report(
 
     in_flight: activation sets alive at the peak (from the pipeline simulator); None takes the
     closed form `in_flight_microbatches`. attended_per_token: see `plan.time.step_time`.
-    All values are plain str/int/float/bool/None.
+    All values are plain str/int/float/bool/None. Models with routed experts add "params"
+    (total and active per token; MFU counts active FLOPs).
     """
     check_layout(model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size)
     m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
@@ -48,6 +50,7 @@ def plan_report(
     }
     return {
         "inputs": inputs,
+        **_param_counts(model),
         "memory_bytes": memory,
         "device_memory_bytes": cluster.device.memory_bytes,
         "fits": mem.fits(cluster.device.memory_bytes),
@@ -59,12 +62,24 @@ def plan_report(
     }
 
 
+def _param_counts(model: Shape) -> dict:
+    """{"params": {total, active}} for a model with routed experts, {} for a dense one."""
+    if not is_moe(model):
+        return {}
+    return {"params": {"total": model.num_params(), "active": model.num_params(active=True)}}
+
+
 def format_plan_table(report: dict) -> str:
     """Two-column text table of a `plan_report` dict: memory in GiB, then time and rates."""
     inputs = report["inputs"]
     lay = Layout(**inputs["layout"])
     rows = [("model", str(inputs["model"]["name"])), ("layout", lay.describe()),
             ("recompute", inputs["recompute"]), ("precision", inputs["precision"])]
+    moe = "params" in report  # a model with routed experts: counts, ep and its all-to-all
+    if moe:
+        n = report["params"]
+        rows += [("params", f"{n['total'] / 1e9:.2f}B total, {n['active'] / 1e9:.2f}B active"),
+                 ("ep", str(lay.ep))]
     mem = report["memory_bytes"]
     rows += [(f"mem {k}", f"{mem[k] / GIB:.2f} GiB") for k in (*_MEMORY_KEYS, "total")]
     if mem["host"]:
@@ -72,11 +87,12 @@ def format_plan_table(report: dict) -> str:
     cap = report["device_memory_bytes"] / GIB
     rows.append(("fits", f"{'yes' if report['fits'] else 'NO'} (device {cap:.1f} GiB)"))
     t = report["time"]
-    for key in ("step_time_s", "compute_s", "comm_tp_s", "comm_pp_s", "bubble_s", "comm_dp_s"):
+    keys = ("step_time_s", "compute_s", "comm_tp_s", "comm_pp_s", "bubble_s", "comm_dp_s")
+    for key in keys + (("comm_ep_s",) if moe else ()):
         rows.append((key.removesuffix("_s"), f"{t[key]:.4g} s"))
+    mfu = "null" if t["mfu"] is None else f"{t['mfu']:.1%}" + (" (active FLOPs)" if moe else "")
     rows += [("tokens/s", f"{t['tokens_per_s']:,.0f}"),
-             ("TFLOP/s/device", f"{t['tflops_per_device']:.1f}"),
-             ("MFU", "null" if t["mfu"] is None else f"{t['mfu']:.1%}")]
+             ("TFLOP/s/device", f"{t['tflops_per_device']:.1f}"), ("MFU", mfu)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -1,5 +1,5 @@
-"""Layout search: every valid (dp, cp, tp, pp, v, ZeRO, schedule, recompute) for n devices,
-scored.
+"""Layout search: every valid (dp, cp, tp, pp, v, ZeRO, ep, schedule, recompute) for n
+devices, scored (ep only for models with routed experts: `experts.expert_degrees`).
 
 Candidates that fit in device memory are ranked by predicted step time (ties: lower ZeRO
 stage, less recomputation, less memory); the rest follow, smallest first. Each candidate
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from hpctrain.plan.bubble import in_flight_microbatches
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
 from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown
 from hpctrain.plan.shapes import Shape
@@ -21,6 +22,7 @@ from hpctrain.plan.time import StepTime, step_time
 GIB = 2**30
 BUBBLE_NOTE = 0.10  # bubbles above this fraction are called out in the reason
 DP_NOTE = 0.20  # exposed dp communication above this share of the step is called out
+EP_NOTE = 0.20  # MoE all-to-all above this share of the step is called out
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def enumerate_layouts(
     `context_parallel` (the caller keeps those dividing the sequence into 2·cp chunks); sp on
     when tp > 1; ZeRO stages > 0 only when dp·cp > 1 (they shard nothing otherwise); no
     ZeRO-3 with pipelines (hpctrain gathers ZeRO-3 parameters per block of a whole model, so
-    it refuses that mix)."""
+    it refuses that mix); ep from the divisors of dp that divide the model's experts."""
     for cp in (c for c in context_parallel if n_devices % c == 0):
         for tp in _divisors(n_devices // cp):
             for pp in _divisors(n_devices // (cp * tp)):
@@ -71,11 +73,12 @@ def enumerate_layouts(
                     for zero in zero_stages if dp * cp > 1 else (0,):
                         if zero == 3 and pp > 1:
                             continue
-                        layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
-                                        sp=tp > 1, schedule=schedule, cp=cp)
-                        if not layout_problems(model, layout, global_batch=global_batch,
-                                               micro_batch_size=micro_batch_size):
-                            yield layout
+                        for ep in expert_degrees(model, dp):
+                            layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
+                                            sp=tp > 1, schedule=schedule, cp=cp, ep=ep)
+                            if not layout_problems(model, layout, global_batch=global_batch,
+                                                   micro_batch_size=micro_batch_size):
+                                yield layout
 
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
@@ -110,6 +113,8 @@ def _reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> str:
         notes.append("tp all-reduce crosses nodes")
     if c.time.comm_dp_s > DP_NOTE * c.time.step_time_s:
         notes.append(f"dp comm {c.time.comm_dp_s / c.time.step_time_s:.0%} of step")
+    if c.time.comm_ep_s > EP_NOTE * c.time.step_time_s:
+        notes.append(f"all-to-all {c.time.comm_ep_s / c.time.step_time_s:.0%} of step")
     return "; ".join(notes)
 
 

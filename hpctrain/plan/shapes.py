@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.plan.experts import expert_params, is_moe
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,16 @@ def training_flops_per_token(model: Shape, *, seq_len: int, recompute: str = "no
     raise ValueError(f"recompute={recompute!r} must be one of 'none', 'selective', 'full'")
 
 
+def block_params(model: Shape) -> int:
+    """Parameters of all blocks, routed experts excluded (plan.experts places those)."""
+    if not is_moe(model):
+        return model.n_layers * model.layer_params()
+    return sum(model.layer_params(i) for i in range(model.n_layers)) - expert_params(model)
+
+
 def rank_params(model: Shape, *, tp: int = 1, pp: int = 1) -> float:
-    """Ψ for the busiest (tp, pp) shard: the parameters one rank holds before ZeRO.
+    """Ψ for the busiest (tp, pp) shard: the dense parameters one rank holds before ZeRO
+    (routed experts are not tp-sharded and live 1/ep per rank: `experts.rank_expert_params`).
 
     Layers are split evenly over pp and every weight over tp (LayerNorm/RMSNorm weights are
     really replicated across tp; they are < 0.1% of a layer, so this overcounts nothing that
@@ -94,8 +103,8 @@ def rank_params(model: Shape, *, tp: int = 1, pp: int = 1) -> float:
     last the head, so the busier end holds E/2 when untied, and all of E when tied (Megatron
     keeps a copy of the tied word embedding on the last stage).
     """
-    layers = model.n_layers * model.layer_params()
-    extra = model.num_params() - layers
+    layers = block_params(model)
+    extra = model.num_params() - layers - expert_params(model)
     if pp > 1 and not model.tied_embeddings:
         extra /= 2
     return (layers / pp + extra) / tp

@@ -23,9 +23,26 @@ L = l/(pp·v) layers, each term below with its source:
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
              (Megatron 2021 reduces after the pipeline flush: dp_overlap = 0)
-  comm_cp  = max(0, ring − compute): ring attention sends, per layer and microbatch,
-             (3·cp − 2) key/value shards (parallel.context.ring.ring_bytes), overlapped with
-             the compute up to all of it; tp, pp and dp terms use the rank's s/cp tokens
+  comm_cp  = the cp traffic per layer and microbatch, in key/value shards of 2·b·(s/cp)·K·H_d
+             elements (parallel.context.ring.ring_shards; + (cp − 1) with full recompute,
+             which reruns the forward's traffic), by transport (parallel.cp_comm):
+             ring       (3·cp − 2) sends to the next cp rank, each posted before the blocks
+                        it overlaps: exposed max(0, ring − compute)
+             allgather  an all-gather of the cp shards forward, again in backward, and a
+                        reduce-scatter of their gradients: 3·(cp − 1) shards by the ring
+                        formula, with no overlap (each collective is waited on before the
+                        blocks that need it, or after those that produce it): exposed in full
+             Under this model the all-gather moves one shard less per layer but hides none
+             of it: it is the cheaper transport only when the compute is shorter than one
+             shard's send. What favours it in practice (GQA's few kv heads making per-step
+             sends too small to overlap usefully, 3 collectives instead of 3·cp − 1 p2p steps)
+             is below this model's resolution.
+             The tp, pp and dp terms use the rank's s/cp tokens and the dp·cp gradient group
+  comm_ep  = the all-to-all of MoE blocks under ep > 1, and expert gradients reduce over the
+             (dp/ep)·cp ranks holding the same experts (`hpctrain.plan.experts`); compute
+             counts active FLOPs (the top_k + shared experts a token passes through)
+  ep and the exposed cp time are added to the step outside the simulated actions (serially,
+             not yet split into T_F/T_B)
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
 The optimizer step and the embedding lookup are not timed (< 1% at these sizes).
 tflops_per_device counts the FLOPs executed (`shapes.training_flops_per_token`), as Megatron
@@ -39,7 +56,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.context.ring import ring_bytes
+from hpctrain.parallel.context.ring import ring_shards
+from hpctrain.plan import experts
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.kernels import head_cost, layer_cost, roofline
@@ -48,6 +66,7 @@ from hpctrain.plan.memory import state_bytes_per_param
 from hpctrain.plan.shapes import Shape, rank_params, training_flops_per_token
 
 ACT_BYTES = 2  # activations travel in 16 bits (fp32 runs: 4, see `_act_bytes`)
+A2A_PER_LAYER = 4  # MoE dispatch + combine, forward + backward
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,7 @@ class StepTime:
     tflops_per_device: float
     mfu: float
     comm_cp_s: float = 0.0  # exposed ring-attention traffic (0 at cp = 1)
+    comm_ep_s: float = 0.0  # MoE all-to-all (0 for dense models and ep = 1)
 
 
 def ring_time(nbytes: float, *, n: int, bw: float, latency: float, op: str) -> float:
@@ -133,27 +153,67 @@ def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
 
 
 def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
-    """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3)."""
-    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(precision)[1]
+    """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3); routed
+    experts' Ψ_E/(pp·ep) over their own (dp/ep)·cp group, whose members are ep·cp·tp apart."""
+    g_b = state_bytes_per_param(precision)[1]
+    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * g_b
     n = layout.dp * layout.cp  # gradients of replicated parameters reduce over dp×cp
     bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
-    gathers = 2 if layout.zero == 3 else 1
+    total = _reduce_gather(nbytes, n=n, bw=bw, lat=lat, zero=layout.zero)
+    expert_bytes = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp) * g_b
+    if expert_bytes:
+        bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep, dp=layout.dp // layout.ep)
+        total += _reduce_gather(expert_bytes, n=layout.dp // layout.ep * layout.cp, bw=bw,
+                                lat=lat, zero=layout.zero)
+    return total
+
+
+def _reduce_gather(nbytes: float, *, n: int, bw: float, lat: float, zero: int) -> float:
+    gathers = 2 if zero == 3 else 1
     rs = ring_time(nbytes, n=n, bw=bw, latency=lat, op="reduce_scatter")
     ag = ring_time(nbytes, n=n, bw=bw, latency=lat, op="all_gather")
     return rs + gathers * ag
 
 
-def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> float:
-    """m · (l/pp) ring-attention layers, each (3·cp − 2) shard sends to the next cp rank
-    (cp ranks sit inside tp·cp consecutive ranks: NVLink while that fits in a node)."""
-    if layout.cp == 1:
+def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision,
+              recompute: str = "none") -> float:
+    """Seconds of cp traffic per step, before overlap: m · (l/pp) attention layers, each
+    moving ring_shards key/value shards (cp ranks sit inside tp·cp consecutive ranks: NVLink
+    while that fits in a node). ring: that many sends to the next cp rank; allgather: the
+    all-gathers (2, 3 with full recompute) and the reduce-scatter of cp shards."""
+    cp = layout.cp
+    if cp == 1:
         return 0.0
     kv_heads = max(1, getattr(model, "n_kv_heads", model.n_heads) // layout.tp)
-    nbytes = ring_bytes(batch=mbs, kv_heads=kv_heads, shard_len=seq_len // layout.cp,
-                        head_dim=model.dim // model.n_heads, elem_bytes=_act_bytes(precision),
-                        cp=layout.cp) / (3 * layout.cp - 2)
-    bw, lat = tp_link(cluster, layout.tp * layout.cp)
-    return m * model.n_layers / layout.pp * (3 * layout.cp - 2) * (nbytes / bw + lat)
+    shard = 2 * mbs * kv_heads * (seq_len // cp) * (model.dim // model.n_heads) \
+        * _act_bytes(precision)
+    bw, lat = tp_link(cluster, layout.tp * cp)
+    if layout.cp_comm == "allgather":
+        gathers = 3 if recompute == "full" else 2
+        one = ring_time(cp * shard, n=cp, bw=bw, latency=lat, op="all_gather")
+        layer = gathers * one + ring_time(cp * shard, n=cp, bw=bw, latency=lat,
+                                          op="reduce_scatter")
+    else:
+        layer = ring_shards(cp=cp, recompute=recompute) * (shard / bw + lat)
+    return m * model.n_layers / layout.pp * layer
+
+
+def cp_exposed_s(traffic_s: float, *, compute_s: float, transport: str) -> float:
+    """The part of the cp traffic the step waits for: the ring's sends overlap the compute
+    (up to all of it); the all-gather's collectives overlap nothing."""
+    return traffic_s if transport == "allgather" else max(0.0, traffic_s - compute_s)
+
+
+def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, precision) -> float:
+    """m · (MoE blocks / pp) · (4, or 6 with full recompute) all-to-alls of T·k'·h tokens' bytes
+    (`experts.a2a_bytes`, `experts.a2a_time`); 0 for dense models and ep = 1."""
+    if not experts.is_moe(model) or layout.ep == 1:
+        return 0.0
+    k = A2A_PER_LAYER + (2 if recompute == "full" else 0)
+    tokens = experts.rank_tokens(layout, seq_len=seq_len, micro_batch_size=mbs)
+    nbytes = experts.a2a_bytes(model, tokens=tokens, ep=layout.ep,
+                               elem_bytes=_act_bytes(precision))
+    return m * model.n_moe_layers / layout.pp * k * experts.a2a_time(nbytes, cluster, layout)
 
 
 def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: int,
@@ -215,12 +275,15 @@ def step_time(
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     hop = pp_comm_s(model, cluster, layout, **{**kw, "m": 1}) / (2 * layout.virtual_stages)
     work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
-    cp = max(0.0, cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len}) - compute)
+    cp_traffic = cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len},
+                           recompute=recompute)
+    cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)
+    ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
     dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
     return _rates(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, attn=attn,
                   recompute=recompute, precision=precision,
                   parts=dict(compute_s=compute, comm_tp_s=tp, comm_pp_s=pp, bubble_s=bubble,
-                             comm_cp_s=cp, comm_dp_s=dp),
+                             comm_cp_s=cp, comm_ep_s=ep, comm_dp_s=dp),
                   frac=bubble / (bubble + work) if work else 0.0)
 
 

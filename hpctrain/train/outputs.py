@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from hpctrain.config import Config
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
+from hpctrain.metrics.throughput import parameter_counts
 from hpctrain.metrics.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
         "step_time_s": statistics.median(h["step_time_s"] for h in steady) if steady else None,
         "run_dir": str(run_dir),
         "metrics": str(run_dir / "metrics.jsonl"),
+        **parameter_counts(cfg.model),  # total, and active per token for experts
         **extra,
     }
 

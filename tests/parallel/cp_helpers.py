@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.models import ModelConfig, build_model
+from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, ring_bytes
@@ -19,9 +21,22 @@ from hpctrain.parallel.step import loss_divisors
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def tiny_cfg(attention: str) -> ModelConfig:
-    return ModelConfig(name="cp", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                       ffn_dim=64, max_seq_len=64, attention=attention)
+def tiny_cfg(attention: str, *, n_layers: int = 2, heads: tuple[int, int] = (4, 2)
+             ) -> ModelConfig:
+    return ModelConfig(name="cp", vocab_size=64, dim=32, n_layers=n_layers, n_heads=heads[0],
+                       n_kv_heads=heads[1], ffn_dim=64, max_seq_len=64, attention=attention)
+
+
+def interpret_triton() -> None:
+    """Fail fast unless this rank's Triton kernels can run under the CPU interpreter. A
+    process fixes the mode when it first imports triton; ranks inherit TRITON_INTERPRET=1 from
+    the test process (tests/conftest.py, on machines without CUDA)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise RuntimeError("this rank imported triton without TRITON_INTERPRET=1: start the "
+                           "world from a process that has it set (tests/conftest.py does)")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def batch(L: int, *, documents: bool):
@@ -48,19 +63,25 @@ def ce64(logits_BLV, targets_BL):
 
 
 def cp_equals_single(attention: str, documents: bool, L: int = 32,
-                     transport: str = "ring") -> dict:
-    """fp64: the loss and every gradient of the model under cp (the world as one cp group)
-    against the single process; returns the largest differences and the blocks computed."""
+                     transport: str = "ring", *, checkpointing: str = "none",
+                     reference: str | None = None, **shape) -> dict:
+    """fp64: the loss and every gradient of the model under cp (the world as one cp group,
+    activation `checkpointing` on it) against the single process (its attention `reference`,
+    default the same backend; `shape`: tiny_cfg's n_layers, heads); returns the largest
+    differences, the blocks computed and the bytes sent."""
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = tiny_cfg(attention)
-        ref = build_model(cfg, seed=3).double()
+        cfg = tiny_cfg(attention, **shape)
+        ref = build_model(tiny_cfg(reference or attention, **shape), seed=3).double()
         inputs_BL, targets_BL, docs = batch(L, documents=documents)
         logits = ref(inputs_BL, docs=docs)
         loss_ref = ce64(logits, targets_BL)
         loss_ref.backward()
         comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
-        model = apply_context_parallel(copy.deepcopy(ref), comm, transport=transport)
+        model = build_model(cfg, seed=3).double()
+        model.load_state_dict(ref.state_dict())
+        apply_context_parallel(model, comm, transport=transport)
+        apply_activation_checkpointing(model, checkpointing)
         model.zero_grad(set_to_none=True)
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,
                                             cp=comm.size)
@@ -97,6 +118,16 @@ def train_cp(overrides: list[str], run_dir: str) -> list[dict]:
     expected = cfg.grad_accum * cfg.model.n_layers * ring_bytes(
         batch=cfg.train.micro_batch_size, kv_heads=cfg.model.n_kv_heads,
         shard_len=cfg.train.seq_len // cfg.parallel.cp, head_dim=cfg.model.head_dim,
-        elem_bytes=4, cp=cfg.parallel.cp, transport=cfg.parallel.cp_comm)
+        elem_bytes=4, cp=cfg.parallel.cp, transport=cfg.parallel.cp_comm,
+        recompute=cfg.train.activation_checkpointing)
     return [{**{k: h.get(k) for k in keys}, "expected_cp_bytes": expected}
             for h in trainer.history]
+
+
+def cp_triton_equals_single(documents: bool) -> dict:
+    """cp_equals_single with hpctrain's Triton kernels as the block math, under the
+    interpreter (slow: one layer, 2 query heads on 1 kv head, 16 tokens), against eager
+    attention in one process."""
+    interpret_triton()
+    return cp_equals_single("triton", documents, L=16, reference="eager", n_layers=1,
+                            heads=(2, 1))

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -54,6 +55,26 @@ def test_comm_completes_with_positive_numbers_and_correct_results(world2):
     assert all(r["correct"] and r["time_s"] > 0 and r["busbw_GBps"] > 0 for r in records)
     ar = [r for r in records if r["collective"] == "all_reduce"]
     assert all(r["busbw_GBps"] == r["algbw_GBps"] for r in ar)  # 2(n-1)/n = 1 at n = 2
+
+
+def _comm_ep2_of_dp4():
+    from hpctrain.bench.comm import run_comm
+
+    mesh = build_mesh(ParallelDims(dp=4), rank=dist.get_rank(), device=torch.device("cpu"))
+    b = BenchConfig(collectives=("all_to_all",), groups=("ep",), min_bytes=64, max_bytes=512,
+                    iters=2, warmup=1)
+    return run_comm(b, mesh, ep=2)
+
+
+def test_comm_measures_all_to_all_over_the_expert_parallel_groups(world4):
+    """parallel.ep=2 inside dp=4: the MoE all-to-all groups are {0, 1} and {2, 3}; bus
+    bandwidth = algbw · (n−1)/n."""
+    records = [r for rs in world4.run(_comm_ep2_of_dp4) for r in rs]
+    assert {(r["rank"], tuple(r["group_ranks"])) for r in records} == {
+        (0, (0, 1)), (1, (0, 1)), (2, (2, 3)), (3, (2, 3))}
+    assert all(r["group"] == "ep" and r["n"] == 2 and r["correct"] for r in records)
+    assert len(records) == 4 * 4  # ranks × sizes 64..512
+    assert all(r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2) for r in records)
 
 
 def test_p2p_measures_both_directions(world2):

@@ -2,10 +2,11 @@
 
 fp64 (1e-12): cp ∈ {2, 4}, loss and every gradient, with and without documents (and then
 padding targets spread unevenly over the shards), eager and sdpa per-block forwards, ring and
-all-gather transports. Zigzag
-balance: equal computed blocks per rank. Trainer (fp32): cp=2, cp=2 × dp=2 with ZeRO-1/3,
-cp=2 × tp=2 (± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1 and back, and
-comm_cp_bytes equal to the analytical ring volume.
+all-gather transports; cp=2 with hpctrain's Triton kernels as the blocks (interpreter), and
+with full / selective activation checkpointing. Zigzag balance: equal computed blocks per rank.
+Trainer (fp32): cp=2 (also with full recompute), cp=2 × dp=2 with ZeRO-1/3, cp=2 × tp=2
+(± sp), cp=2 × pp=2 (1f1b, zb_h1) trajectories, resume cp=2 → cp=1 and back, and
+comm_cp_bytes equal to the analytical volume.
 """
 
 from __future__ import annotations
@@ -30,9 +31,29 @@ def test_cp4_loss_and_grads_equal_single_fp64(world4, attention, documents):
 
 
 @pytest.mark.parametrize("documents", [False, True])
+def test_cp2_triton_kernel_blocks_equal_single_fp64(world2, documents):
+    """model.attention=triton: every block (diagonal: causal; earlier key chunk: not, with
+    rows that see none of it) is hpctrain's kernel, forward and backward, under Triton's
+    interpreter."""
+    for r in world2.run(h.cp_triton_equals_single, documents):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+        assert r["blocks"] > 0
+
+
+@pytest.mark.parametrize("documents", [False, True])
 def test_allgather_transport_equals_single_fp64(world4, documents):
     for r in world4.run(h.cp_equals_single, "sdpa", documents, transport="allgather"):
         assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_cp2_activation_checkpointing_equals_single_fp64(world2, checkpointing):
+    """Full recompute reruns each layer's ring forward in backward (cp − 1 more shards sent
+    per layer); selective leaves ring attention as it is (nothing more sent)."""
+    for r in world2.run(h.cp_equals_single, "eager", True, checkpointing=checkpointing):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+        assert r["bytes"] == 2 * h.ring_bytes(batch=2, kv_heads=2, shard_len=16, head_dim=8,
+                                              elem_bytes=8, cp=2, recompute=checkpointing)
 
 
 def test_zigzag_balances_the_blocks_each_rank_computes(world4):
@@ -60,9 +81,11 @@ def single(tmp_path_factory):
     return get_world(1).run(h.train_cp, [], str(tmp_path_factory.mktemp("single")))[0]
 
 
-@pytest.mark.parametrize("transport", ["ring", "allgather"])
-def test_cp2_trainer_matches_single_process(world2, tmp_path, single, transport):
-    runs = world2.run(h.train_cp, ["parallel.cp=2", f"parallel.cp_comm={transport}"],
+@pytest.mark.parametrize(("transport", "recompute"),
+                         [("ring", "none"), ("allgather", "none"), ("ring", "full")])
+def test_cp2_trainer_matches_single_process(world2, tmp_path, single, transport, recompute):
+    runs = world2.run(h.train_cp, ["parallel.cp=2", f"parallel.cp_comm={transport}",
+                                   f"train.activation_checkpointing={recompute}"],
                       str(tmp_path / "cp2"))
     _same_trajectory(runs[0], single)
     for rank in runs:  # every rank sends exactly the analytical ring volume, every step

@@ -7,7 +7,7 @@ last query tile (whose later rows must stay masked from it) | one document | two
 where the triton kernels skip the mask inside a document: forward/dq on row 2 (keys
 32-63 for rows 64-69, in a document starting at 4), dk/dv on row 3 (rows 32-63 for keys 0-31,
 in a document ending at 64 < L). Inputs have the model's layout (a transposed B L N H buffer).
-All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/unit/conftest.py sets
+All in fp64 to 1e-12 — triton too, under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 on machines without CUDA; its kernels accumulate in fp64 for fp64 inputs) —
 plus triton in fp32, the dtype CPU training uses; flex forward only (no CPU backward).
 flash-attn has no CPU kernels: its glue (flattening, cu_seqlens) runs against a stand-in module
@@ -153,18 +153,19 @@ from triton.compiler import ASTSource
 from hpctrain.ops import triton_attention as ta, triton_attention_kernels as kern
 
 for fn, name in ((kern.attn_fwd, "fwd"), (kern.attn_bwd_dq, "dq"), (kern.attn_bwd_dkdv, "dkdv")):
-    for docs in (True, False):
-        ptrs = {n: "*fp32" if n in ("LSE", "DELTA") else "*i32" if n in ("IDS", "RANGES")
+    for docs, causal in ((True, True), (False, True), (True, False)):
+        ptrs = {n: "*fp32" if n in ("LSE", "DELTA") else "*i32" if n in ("IDS", "IDS_K", "RANGES")
                 else "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE",
-                                       "DELTA", "IDS", "RANGES")}
+                                       "DELTA", "IDS", "IDS_K", "RANGES")}
         sig = {p.name: "constexpr" if p.is_constexpr else ptrs.get(p.name, "i32")
                for p in fn.params}
         bm, bn = ta.GPU_TILES[name]
         consts = {"QK_SCALE2": 0.1275, "SM_SCALE": 0.0884, "HAS_DOCS": docs, "BM": bm,
-                  "BN": bn, "HP": 128, "PREC": "tf32", "ACC": tl.float32}
+                  "BN": bn, "HP": 128, "PREC": "tf32", "ACC": tl.float32, "CAUSAL": causal}
         consts = {k: v for k, v in consts.items() if k in sig}
         if not docs:
             sig["IDS"], consts["IDS"] = "constexpr", None
+            sig["IDS_K"], consts["IDS_K"] = "constexpr", None
         warps, stages = ta.GPU_LAUNCH[name]
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
@@ -177,8 +178,9 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_triton_kernels_compile_for_h100_without_a_gpu():
     """The GPU path, short of running: Triton compiles the three kernels in bf16 (with and
-    without documents, head dim 128, the launch's tiles and warps) to sm_90 machine code, with
-    its bundled ptxas, in a process without the interpreter; shared memory fits (≤ 227 KiB)."""
+    without documents, causal or not (a context-parallel block), head dim 128, the launch's
+    tiles and warps) to sm_90 machine code, with its bundled ptxas, in a process without the
+    interpreter; shared memory fits (≤ 227 KiB)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, timeout=300,

@@ -26,6 +26,20 @@ def test_big_preset_counts_are_llama3_sizes():
     assert abs(PRESETS["llama3_405b"].num_params() / 1e9 - 405.8) < 0.1
 
 
+def test_moe_preset_counts_are_the_published_sizes():
+    """Mixtral-8x7B: 46.7B total, 12.9B active. DeepSeekMoE-16B: 16.4B total, 2.8B active,
+    with its dense block 0 (ffn 10944) in place of the MoE block the preset puts there."""
+    mixtral = PRESETS["mixtral_8x7b"]
+    assert round(mixtral.num_params() / 1e9, 1) == 46.7
+    assert round(mixtral.num_params(active=True) / 1e9, 1) == 12.9
+    ds = PRESETS["deepseek_moe_16b"]
+    dense0 = ds.with_(moe=ds.moe.__class__()).layer_params(0)  # block 0 as published: dense
+    assert ds.ffn_dim == 10944 and ds.is_moe_layer(0)
+    assert round((ds.num_params() - ds.layer_params(0) + dense0) / 1e9, 1) == 16.4
+    assert round((ds.num_params(active=True) - ds.layer_params(0, active=True) + dense0)
+                 / 1e9, 1) == 2.8
+
+
 def test_flops_per_token_matches_counted_flops():
     cfg = PRESETS["debug"].with_(attention="eager")
     model = build_model(cfg, seed=0)

@@ -55,3 +55,39 @@ def test_search_tries_cp_when_the_sequence_splits_and_long_context_needs_it():
     assert fits(8) and not fits(1)
     odd = search_layouts(MODEL, cluster, context_parallel=(1, 8), **{**long_ctx, "seq_len": 24})
     assert {c.layout.cp for c in odd} == {1}  # 24 is not divisible by 2·8
+
+
+def test_allgather_traffic_is_charged_in_full_and_full_recompute_reruns_the_forward():
+    """cp_comm=allgather: 2 all-gathers and a reduce-scatter of the cp shards per layer, none
+    of it hidden (the ring's same-size traffic is, on NVLink); full recompute adds one
+    all-gather (ring: cp − 1 sends)."""
+    cluster = megatron_a100_cluster()
+    kw = dict(global_batch=8, micro_batch_size=1, seq_len=32768, precision="bf16")
+    bw, lat = cluster.intra_node_bw, cluster.latency_intra
+    shard = 2 * 4096 * 16 * 64 * 2  # 2·b·(s/cp)·K·H_d elements of 2 bytes
+    one = 7 * (shard / bw + lat)  # a ring collective of 8 shards over 8 ranks: 7 hops
+    layers = 8 * 8  # 8 layers × 8 microbatches
+    ag = Layout(cp=8, cp_comm="allgather")
+    assert ag.describe().endswith("cp8 allgather")
+    t = step_time(MODEL, cluster, layout=ag, **kw)
+    assert t.comm_cp_s == pytest.approx(layers * 3 * one, rel=1e-12)
+    assert step_time(MODEL, cluster, layout=Layout(cp=8), **kw).comm_cp_s == 0.0
+    full = step_time(MODEL, cluster, layout=ag, recompute="full", **kw)
+    assert full.comm_cp_s == pytest.approx(layers * 4 * one, rel=1e-12)
+    slow_link = replace(cluster, intra_node_bw=bw / 1000)
+    ring = step_time(MODEL, slow_link, layout=Layout(cp=8), recompute="full", **kw)
+    sends = layers * (22 + 7)
+    exposed = sends * (shard / slow_link.intra_node_bw + lat) - ring.compute_s
+    assert ring.comm_cp_s == pytest.approx(exposed, rel=1e-12)
+    with pytest.raises(ValueError, match="cp_comm='p2p'"):
+        Layout(cp=2, cp_comm="p2p")
+
+
+def test_the_plan_reads_cp_comm_from_the_config():
+    from types import SimpleNamespace
+
+    from hpctrain.config import ParallelConfig
+    from hpctrain.plan.task import layout_of
+
+    cfg = SimpleNamespace(parallel=ParallelConfig(cp=2, cp_comm="allgather"))
+    assert layout_of(cfg).cp_comm == "allgather"

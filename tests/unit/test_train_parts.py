@@ -82,3 +82,24 @@ def test_summary_medians_skip_only_the_runs_first_two_steps(tmp_path):
                      evicted=1)["tokens_per_s"] == 10.0
     assert summarize(recs[:3], cfg=cfg, run_dir=tmp_path, extra={},
                      evicted=5)["tokens_per_s"] == 2.0
+
+
+def test_summary_counts_total_and_active_parameters(tmp_path, caplog):
+    """MoE runs report active parameters and say MFU counts active FLOPs; dense runs one total."""
+    import dataclasses
+    import logging
+
+    from hpctrain.models.config import PRESETS
+    from hpctrain.train.outputs import print_summary, summarize
+    from tests.conftest import make_config
+
+    cfg = make_config(["model=debug", "train=debug"], run_dir=tmp_path)
+    recs = [{"tokens_per_s": 1.0, "step_time_s": 1.0, "mfu": None, "loss": 1.0}]
+    dense = summarize(recs, cfg=cfg, run_dir=tmp_path, extra={})
+    assert dense["params"] == PRESETS["debug"].num_params() and "params_active" not in dense
+    moe_cfg = dataclasses.replace(cfg, model=PRESETS["debug_moe"])
+    moe = summarize(recs, cfg=moe_cfg, run_dir=tmp_path, extra={})
+    assert (moe["params"], moe["params_active"]) == (193_312, 119_584)  # 4 experts, top 2
+    with caplog.at_level(logging.INFO, logger="hpctrain.train.outputs"):
+        print_summary(moe)
+    assert "params_active" in caplog.text and "mfu_flops              active" in caplog.text

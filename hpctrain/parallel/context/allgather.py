@@ -57,7 +57,8 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = [torch.zeros_like(q[0]), torch.zeros_like(q[1])]
         d_every = torch.zeros_like(every)
         for src in range(comm.size):
-            attend_backward(dq, d_every[src], q, every[src], do, lse, d, src=src, docs=ctx.docs)
+            attend_backward(dq, d_every[src], q, every[src], do, lse, d, src=src, docs=ctx.docs,
+                            comm=comm)
         dkv_2BKSH = torch.empty_like(kv_2BKSH)
         work = dist.reduce_scatter_tensor(dkv_2BKSH, d_every.flatten(0, 1), group=comm.group,
                                           async_op=True)

@@ -15,11 +15,15 @@ from hpctrain.parallel.context.ring import RingComm, ring_attention
 class RingAttentionCore(nn.Module):
     """Drop-in for models.llama.AttentionCore under cp > 1 (no parameters)."""
 
+    # Keeps no score matrix: `selective` activation checkpointing leaves it alone rather
+    # than rerun the ring (hpctrain.models.checkpointing).
+    selective_recompute = False
+
     def __init__(self, comm: RingComm, *, backend: str, transport: str = "ring"):
         super().__init__()
         self.fn = allgather_attention if transport == "allgather" else ring_attention
-        # The per-block forward follows `comm.backend` (RingComm): sdpa's fused CPU kernel or
-        # eager math, both with log-sum-exp; `backend` names the model's choice.
+        # The per-block math follows the backend RingComm was built with (context/backends.py:
+        # eager, sdpa's fused CPU forward, hpctrain's Triton kernels); `backend` names it.
         self.comm, self.backend = comm, backend
 
     def forward(self, q_BNSH, k_BKSH, v_BKSH, docs=None):

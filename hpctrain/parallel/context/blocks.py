@@ -7,14 +7,29 @@ results over key blocks merge exactly (the online-softmax rule):
 Backward of a block, given the row's final lse and D = rowsum(dO ⊙ O) (FlashAttention-2):
   p = exp(s − lse), dv = pᵀ dO, ds = p ⊙ (dO vᵀ − D), dq = ds k/√H, dk = dsᵀ q/√H.
 The math is eager in the input dtype (fp64 in the exactness tests); the sdpa backend's
-forward block is torch's fused CPU kernel (sdpa_lse.py), checked against this one.
+forward block is torch's fused CPU kernel (sdpa_lse.py), the triton backend's both directions
+hpctrain's kernels (ops/triton_attention_block.py); context/backends.py picks them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Block:
+    """One non-empty (query chunk, key chunk) block: its mask, and how it arises — the chunks'
+    document ids and whether it is a diagonal block (the same chunk: causal inside) or an
+    earlier key chunk (every key precedes every query) — for kernels that build the mask from
+    ids instead of reading a C×C tensor."""
+
+    mask_BCC: torch.Tensor
+    ids_q_BC: torch.Tensor
+    ids_k_BC: torch.Tensor
+    diagonal: bool
 
 
 def _expand(x_BKCH: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -34,9 +49,9 @@ def _scores(q_BNCH, k_BKCH, mask_BCC):
     return s_BNCC.masked_fill(~mask_BCC[:, None], float("-inf"))
 
 
-def block_forward(q_BNCH, k_BKCH, v_BKCH, mask_BCC):
+def block_forward(q_BNCH, k_BKCH, v_BKCH, block: Block):
     """(o_BNCH, lse_BNC) of one block; rows the mask empties get o = 0, lse = −inf."""
-    s_BNCC = _scores(q_BNCH, k_BKCH, mask_BCC)
+    s_BNCC = _scores(q_BNCH, k_BKCH, block.mask_BCC)
     lse_BNC = torch.logsumexp(s_BNCC, dim=-1)
     p_BNCC = torch.exp(s_BNCC - torch.where(lse_BNC.isinf(), 0, lse_BNC)[..., None])
     return p_BNCC @ _expand(v_BKCH, q_BNCH.shape[1]), lse_BNC
@@ -50,10 +65,10 @@ def merge(o_BNCH, lse_BNC, o2_BNCH, lse2_BNC):
     return o_BNCH * w_BNC[..., None] + o2_BNCH * w2_BNC[..., None], lse
 
 
-def block_backward(q_BNCH, k_BKCH, v_BKCH, mask_BCC, do_BNCH, lse_BNC, d_BNC):
+def block_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BNC):
     """(dq_BNCH, dk_BKCH, dv_BKCH) of one block given the final lse and D of its rows."""
     N, K = q_BNCH.shape[1], k_BKCH.shape[1]
-    p_BNCC = torch.exp(_scores(q_BNCH, k_BKCH, mask_BCC) - lse_BNC[..., None])
+    p_BNCC = torch.exp(_scores(q_BNCH, k_BKCH, block.mask_BCC) - lse_BNC[..., None])
     dv_BNCH = p_BNCC.transpose(-1, -2) @ do_BNCH
     dp_BNCC = do_BNCH @ _expand(v_BKCH, N).transpose(-1, -2)
     ds_BNCC = p_BNCC * (dp_BNCC - d_BNC[..., None]) / math.sqrt(q_BNCH.shape[-1])

@@ -20,22 +20,29 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from hpctrain.parallel.context.blocks import block_backward, block_forward, merge
-from hpctrain.parallel.context.sdpa_lse import sdpa_block_forward
+from hpctrain.parallel.context.backends import block_functions
+from hpctrain.parallel.context.blocks import Block, merge
 from hpctrain.parallel.context.shard import ShardDocuments, chunk_ids
 
 FORWARD_TAG, BACKWARD_KV_TAG, BACKWARD_GRAD_TAG = 1, 2, 3
 
 
-def ring_bytes(*, batch: int, kv_heads: int, shard_len: int, head_dim: int, elem_bytes: int,
-               cp: int, transport: str = "ring") -> int:
-    """Bytes one rank sends per attention layer for one forward + backward of a micro-batch:
-    a key/value shard is 2·B·K·S·H elements; the ring sends it cp−1 times forward, cp−1
-    times backward with its dk/dv accumulator (same size) cp times: (3·cp − 2) shards; the
-    all-gather transport 3·(cp − 1) (context.allgather)."""
+def ring_shards(*, cp: int, transport: str = "ring", recompute: str = "none") -> int:
+    """Key/value shards one rank sends per attention layer, forward + backward of a
+    micro-batch: the ring sends its shard cp−1 times forward, cp−1 times backward with its
+    dk/dv accumulator (same size) cp times: 3·cp − 2; the all-gather transport 3·(cp − 1)
+    (context.allgather). Full recompute reruns the forward: cp − 1 more for either."""
     if cp == 1:
         return 0
     shards = 3 * (cp - 1) if transport == "allgather" else 3 * cp - 2
+    return shards + (cp - 1 if recompute == "full" else 0)
+
+
+def ring_bytes(*, batch: int, kv_heads: int, shard_len: int, head_dim: int, elem_bytes: int,
+               cp: int, transport: str = "ring", recompute: str = "none") -> int:
+    """Bytes one rank sends per attention layer for one forward + backward of a micro-batch:
+    ring_shards key/value shards of 2·B·K·S·H elements each."""
+    shards = ring_shards(cp=cp, transport=transport, recompute=recompute)
     return shards * 2 * batch * kv_heads * shard_len * head_dim * elem_bytes
 
 
@@ -46,9 +53,8 @@ class RingComm:
     def __init__(self, group: dist.ProcessGroup, *, timeout: datetime.timedelta,
                  backend: str = "eager"):
         self.group, self.timeout = group, timeout
-        # The per-block forward: torch's fused CPU kernel for sdpa, eager math otherwise
-        # (the backward is the eager block_backward for both: it needs only the final lse).
-        self.block_forward = sdpa_block_forward if backend == "sdpa" else block_forward
+        # The per-block math of the model's attention backend (context/backends.py).
+        self.block_forward, self.block_backward = block_functions(backend)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
@@ -70,10 +76,10 @@ class RingComm:
         return wait
 
 
-def block_mask(docs: ShardDocuments, *, kv_rank: int, x: int, y: int):
-    """B×C mask of query chunk x (0/1) of this rank against key chunk y of `kv_rank`, or None
-    when the block is empty: the key chunk lies after the query chunk, or no query of the
-    chunk shares a document with an earlier key."""
+def block_mask(docs: ShardDocuments, *, kv_rank: int, x: int, y: int) -> Block | None:
+    """The Block (B×C×C mask and its ids) of query chunk x (0/1) of this rank against key
+    chunk y of `kv_rank`, or None when the block is empty: the key chunk lies after the query
+    chunk, or no query of the chunk shares a document with an earlier key."""
     qc, kc = chunk_ids(docs.rank, cp=docs.cp)[x], chunk_ids(kv_rank, cp=docs.cp)[y]
     if kc > qc:
         return None
@@ -83,7 +89,9 @@ def block_mask(docs: ShardDocuments, *, kv_rank: int, x: int, y: int):
     mask_BCC = ids_q_BC[:, :, None] == ids_k_BC[:, None, :]
     if kc == qc:
         mask_BCC = mask_BCC & torch.ones(C, C, dtype=torch.bool, device=mask_BCC.device).tril()
-    return mask_BCC if bool(mask_BCC.any()) else None
+    if not bool(mask_BCC.any()):
+        return None
+    return Block(mask_BCC=mask_BCC, ids_q_BC=ids_q_BC, ids_k_BC=ids_k_BC, diagonal=kc == qc)
 
 
 def _chunks(x_BXSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,26 +104,26 @@ def attend(acc: list, q: tuple, kv_2BKSH, *, src: int, docs: ShardDocuments, com
     k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
     for x in (0, 1):
         for y in (x, 1 - x):  # the diagonal block first: every running lse is finite
-            mask = block_mask(docs, kv_rank=src, x=x, y=y)
-            if mask is None:
+            block = block_mask(docs, kv_rank=src, x=x, y=y)
+            if block is None:
                 continue
             comm.blocks += 1
-            part = comm.block_forward(q[x], k[y], v[y], mask)
+            part = comm.block_forward(q[x], k[y], v[y], block)
             acc[x] = part if acc[x] is None else merge(*acc[x], *part)
 
 
 def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
-                    docs: ShardDocuments) -> None:
+                    docs: ShardDocuments, comm: RingComm) -> None:
     """Accumulate into dq (per query chunk) and `dkv_2BKSH` (of `src`'s shard) the gradients
     of the blocks `attend` computed against `src`'s key/value shard."""
     k, v = _chunks(kv_2BKSH[0]), _chunks(kv_2BKSH[1])
     dk, dv = _chunks(dkv_2BKSH[0]), _chunks(dkv_2BKSH[1])
     for x in (0, 1):
         for y in (0, 1):
-            mask = block_mask(docs, kv_rank=src, x=x, y=y)
-            if mask is None:
+            block = block_mask(docs, kv_rank=src, x=x, y=y)
+            if block is None:
                 continue
-            gq, gk, gv = block_backward(q[x], k[y], v[y], mask, do[x], lse[x], d[x])
+            gq, gk, gv = comm.block_backward(q[x], k[y], v[y], block, do[x], lse[x], d[x])
             dq[x] += gq
             dk[y].add_(gk)
             dv[y].add_(gv)
@@ -143,7 +151,7 @@ def _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS, docs, comm: RingComm):
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
         pending = comm.shift(kv_2BKSH, tag=BACKWARD_KV_TAG) if step < comm.size - 1 else None
-        attend_backward(dq, dkv_2BKSH, q, kv_2BKSH, do, lse, d, src=src, docs=docs)
+        attend_backward(dq, dkv_2BKSH, q, kv_2BKSH, do, lse, d, src=src, docs=docs, comm=comm)
         dkv_2BKSH = comm.shift(dkv_2BKSH, tag=BACKWARD_GRAD_TAG)() if comm.size > 1 else dkv_2BKSH
         if pending is not None:
             kv_2BKSH = pending()

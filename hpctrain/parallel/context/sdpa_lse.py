@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.parallel.context.blocks import block_forward
+from hpctrain.parallel.context.blocks import Block, block_forward
 
 
-def sdpa_block_forward(q_BNCH, k_BKCH, v_BKCH, mask_BCC):
+def sdpa_block_forward(q_BNCH, k_BKCH, v_BKCH, block: Block):
     """(o_BNCH, lse_BNC) of one block, as blocks.block_forward: rows the mask empties get
     o = 0 and lse = −inf (the op itself reports lse = 0 for them)."""
     if q_BNCH.device.type != "cpu":
-        return block_forward(q_BNCH, k_BKCH, v_BKCH, mask_BCC)
+        return block_forward(q_BNCH, k_BKCH, v_BKCH, block)
+    mask_BCC = block.mask_BCC
     groups = q_BNCH.shape[1] // k_BKCH.shape[1]
     k_BNCH = k_BKCH.repeat_interleave(groups, dim=1) if groups > 1 else k_BKCH
     v_BNCH = v_BKCH.repeat_interleave(groups, dim=1) if groups > 1 else v_BKCH

@@ -1,0 +1,55 @@
+"""Dense plans are bit-identical to the planner before MoE: every memory and time number of
+searches on existing presets equals tests/golden/plan_dense.json, written by the planner of
+main 38ad30c (regenerate with `python -m tests.unit.test_plan_dense_golden` only when a
+change to dense predictions is intended)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from hpctrain.models.config import PRESETS
+from hpctrain.plan.cluster import megatron_a100_cluster
+from hpctrain.plan.search import search_layouts
+from hpctrain.plan.shapes import GPTShape
+from tests.conftest import ROOT
+
+GOLDEN = ROOT / "tests" / "golden" / "plan_dense.json"
+GPT = GPTShape("gpt", n_layers=8, dim=1024, n_heads=16, vocab_size=51200, max_seq_len=4096)
+# (model, n_devices, global_batch, micro_batch_size, seq_len, precision, context_parallel)
+CASES = [
+    (PRESETS["small"], 8, 64, 4, 512, "bf16", (1,)),
+    (PRESETS["llama3_8b"], 8, 32, 1, 4096, "bf16", (1, 2)),
+    (PRESETS["llama3_70b"], 8, 32, 1, 2048, "fp32", (1,)),
+    (GPT, 8, 32, 2, 4096, "bf16", (1, 2)),
+]
+
+
+def dense_numbers() -> list[list]:
+    """Every candidate of every case: [model, layout, recompute, fits, reason, memory fields...,
+    time fields...] (the time fields of the planner before MoE: no comm_ep_s)."""
+    out = []
+    for model, n, gb, mbs, s, precision, cps in CASES:
+        for c in search_layouts(model, megatron_a100_cluster(), n_devices=n, global_batch=gb,
+                                micro_batch_size=mbs, seq_len=s, precision=precision,
+                                context_parallel=cps, dp_overlap=0.5,
+                                recomputes=("none", "full"),
+                                schedules=("1f1b", "interleaved_1f1b")):
+            time = [v for k, v in asdict(c.time).items() if k != "comm_ep_s"]
+            out.append([model.name, c.layout.describe(), c.recompute, c.fits, c.reason,
+                        *asdict(c.memory).values(), *time])
+    return out
+
+
+def test_dense_plans_are_unchanged():
+    golden = json.loads(GOLDEN.read_text())
+    ours = dense_numbers()
+    assert len(ours) == len(golden)
+    for got, want in zip(ours, golden, strict=True):
+        assert got == want  # floats round-trip exactly through JSON
+
+
+if __name__ == "__main__":
+    GOLDEN.write_text("[\n" + ",\n".join(json.dumps(r) for r in dense_numbers()) + "\n]\n")
+    sys.exit(0)
