@@ -45,7 +45,7 @@ class ClusterConfig:
     accelerator: str | None = None  # a row of hpctrain.metrics.devices, e.g. H100-SXM, H200
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
-    achievable_fraction: float = 0.5  # fraction of the dense peak that compute sustains
+    achievable_fraction: float = 0.7  # share of the dense peak big GEMMs reach (plan.kernels)
     # A task=bench bench.json (or its run dir): measured GEMM peak and link bandwidths replace
     # the table's and the *_gb_s values above (hpctrain.plan.calibrate).
     calibration: str | None = None
@@ -72,6 +72,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     grad_comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # on the wire; fp32 accumulation
     timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
+    # parallel=auto: the planner chooses every degree, the schedule, ZeRO and activation
+    # checkpointing at launch (hpctrain.plan.auto); the values above are replaced.
+    auto: bool = False
 
     @property
     def world_size(self) -> int:

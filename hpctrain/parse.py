@@ -17,14 +17,16 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hpctrain.config import Config, collect, format_problems
-from hpctrain.validate import validate
+from hpctrain.plan.auto import choose_layout, fit_problems
+from hpctrain.validate import problems_of, validate
 
 
 def parse(cfg, *, run_dir: str | None = None) -> Config:
     """Hydra DictConfig → validated, frozen Config. Raises one ValueError listing every
     mistake (hpctrain.validate), each with its fix. Without `run_dir`, Hydra's output dir (or
     the working directory outside Hydra); in a multirun, logger.group defaults to the sweep's
-    `sweep_group`."""
+    `sweep_group`. parallel=auto is resolved here (`hpctrain.plan.auto.choose_layout`), and a
+    training layout predicted not to fit is refused (`fit_problems`, unless plan.force)."""
     group = None
     if run_dir is None:
         run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
@@ -35,8 +37,19 @@ def parse(cfg, *, run_dir: str | None = None) -> Config:
     if group is not None and config.logger.group is None:
         config = dataclasses.replace(
             config, logger=dataclasses.replace(config.logger, group=group))
+    if config.parallel.auto and not problems and config.task != "simulate":
+        config = choose_layout(config, accept=runnable_problems)[0]
     validate(config, found=problems)
+    refused = fit_problems(config, accept=runnable_problems)
+    if refused:
+        raise ValueError(format_problems(refused))
     return config
+
+
+def runnable_problems(config: Config) -> list[str]:
+    """Why hpctrain would refuse to run `config` (empty when it runs): what parallel=auto asks
+    of every candidate layout."""
+    return [p.text for p in problems_of(config)]
 
 
 def sweep_group(sweep_dir: str | Path) -> str:

@@ -14,6 +14,8 @@ from hpctrain.launch import preempt, rundir_lock
 from hpctrain.launch.local import launch_local
 from hpctrain.launch.slurm import run_slurm_task
 from hpctrain.parallel.pipeline.sim_task import run_simulate
+from hpctrain.parse import runnable_problems
+from hpctrain.plan.auto import write_plan
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.plan.task import run_plan
 from hpctrain.train.trainer import Trainer
@@ -64,6 +66,9 @@ def launch(cfg: Config) -> dict[str, Any]:
     by another live run raises RunDirBusy before any rank starts."""
     if cfg.task in ONCE_TASKS:
         return ONCE_TASKS[cfg.task](cfg)
+    first = cfg.cluster.launcher != "slurm" or os.environ.get("SLURM_PROCID") == "0"
+    if cfg.parallel.auto and first:  # the choice (made in parse) with its top five: once
+        write_plan(cfg, accept=runnable_problems)
     if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
         with rundir_lock.held(cfg.run_dir, enabled=os.environ.get("SLURM_PROCID") == "0"):
             return run_slurm_task(cfg, RANK_TASKS[cfg.task])

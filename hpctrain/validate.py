@@ -20,7 +20,7 @@ from hpctrain.config import Config, Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
-from hpctrain.plan.task import cluster_spec, plan_settings
+from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
     check_cache_dir,
@@ -248,7 +248,7 @@ def check_plan(c: Config) -> list[str]:
         bad = [v for v in getattr(settings, key) if v not in allowed]
         if bad:
             errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
-    return errs + _errors_of(c, cluster_spec)
+    return errs + _errors_of(c, plan_cluster)
 
 
 def check_cluster_spec(c: Config) -> list[str]:

@@ -177,6 +177,8 @@ PLAN_RANGES: dict[str, Range] = {
     "plan.top": positive(),
     "plan.dp_overlap": fraction(fix="the fraction of dp communication hidden: e.g. 0.0"),
     "plan.document_tokens": positive("or null for whole rows"),
+    "plan.headroom": Range(lo=0.0, hi=1.0, hi_open=True, fix="e.g. plan.headroom=0.1"),
+    "plan.memory_limit_gb": positive("GiB per rank, or null for the device's memory"),
 }
 
 

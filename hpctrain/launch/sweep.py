@@ -3,7 +3,7 @@
 `SweepSummary` is a Hydra callback registered in conf/config.yaml. Before the launcher starts
 (`on_multirun_start`, in the submitting process) it validates every sweep point and prepares
 the data once, so Slurm jobs only read the token cache. When the sweep ends it reads each
-point's `summary.json` (written by the trainer's logging rank) and writes `sweep_summary.md`
+point's result file (`sweep_results`: train, simulate, plan or bench) and writes `sweep_summary.md`
 and `sweep_summary.json` into the sweep dir, and logs the table. Hydra raises on the first
 failed point before `on_multirun_end` runs, so the table is also written at interpreter exit
 when the sweep did not end normally: a failed point is listed with its log paths, beside the
@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.data.prepare import prepare
 from hpctrain.launch.sweep_check import parsed_points, sweep_points
+from hpctrain.launch.sweep_results import read_result
 from hpctrain.validate import reads_data
 from hpctrain.validate_inputs import check_prepared
 
@@ -74,16 +75,14 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
         run_dir = sweep_dir / str(num)
         row: dict[str, Any] = {"point": num, "overrides": _overrides(run_dir),
                                "run_dir": str(run_dir)}
-        summary_path, error_path = run_dir / "summary.json", run_dir / "error.txt"
+        error_path, result = run_dir / "error.txt", read_result(run_dir)
         if error_path.exists():
             row["status"] = "failed"
             row["logs"] = [str(error_path), *_logs(sweep_dir, run_dir, num)]
             row["error"] = error_path.read_text().strip().splitlines()[0]
-        elif summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            done = summary.get("completed_steps", summary.get("steps")) == summary.get("steps")
-            row["status"] = "ok" if done else "incomplete"
-            row.update({k: summary.get(k) for k in COLUMNS})
+        elif result is not None:
+            row["task"], row["status"], numbers = result
+            row.update(numbers) if row["task"] == "train" else row.update(result=numbers)
         else:
             row["status"] = "failed"
             row["logs"] = _logs(sweep_dir, run_dir, num)
@@ -101,14 +100,17 @@ def _fmt(v: Any) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table shows the overrides that differ between points; shared ones go above it."""
     shared = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
-    head = ["point", "status", "overrides", *COLUMNS]
+    others = any("result" in r for r in rows)  # points of tasks other than train
+    columns = COLUMNS if any(r.get("task") == "train" for r in rows) or not others else ()
     lines = [f"shared overrides: {' '.join(o for o in rows[0]['overrides'] if o in shared)}\n"
              ] if shared else []
+    head = ["point", "status", "overrides", *columns, *(["result"] if others else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         own = [o for o in r["overrides"] if o not in shared]
-        cells = [str(r["point"]), r["status"], " ".join(own),
-                 *(_fmt(r.get(k)) for k in COLUMNS)]
+        cells = [str(r["point"]), r["status"], " ".join(own), *(_fmt(r.get(k)) for k in columns)]
+        if others:
+            cells.append(" ".join(f"{k}={_fmt(v)}" for k, v in (r.get("result") or {}).items()))
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rows if r["status"] != "ok"]
     for r in failed:

@@ -1,17 +1,28 @@
-"""Closed-form pipeline costs: bubble fraction and activations in flight, per schedule.
+"""Pipeline idle time and activations in flight, read off the simulator of the exact schedule.
 
-This is the one place the planner asks "how idle is the pipeline, and how many microbatches'
-activations does the busiest rank hold?". The pipeline simulator
-(`hpctrain.parallel.pipeline.simulate`, on another branch) answers both exactly for given
-T_F, T_B, T_W, T_comm; when it lands, these two functions become thin wrappers around it and
-nothing else in the planner changes.
+The planner has no closed forms of its own: `bubble_fraction` and `in_flight_microbatches`
+build the named schedule (`hpctrain.parallel.pipeline.schedules`) for (p, m, v) and time it
+with `hpctrain.parallel.pipeline.simulate.simulate`, the same simulator `task=simulate` and the
+pipeline runtime's tests use, so the planner cannot drift from the schedules that run.
 
 Symbols: p pipeline ranks, m microbatches, v model chunks per rank, T_F/T_B/T_W the per-chunk
-forward, input-gradient and weight-gradient times (B here excludes W).
+forward, input-gradient and weight-gradient times (B excludes W; schedules without a W split
+run B+W as one action), T_comm the seconds of one stage-to-stage hop.
+
+Bubble rate (Qi et al. 2024, the simulator's definition): (cost − work) / cost, cost the longest
+busy span over ranks, work = m·v·(T_F+T_B+T_W). A 1F1B-family schedule with m < p cannot fill
+its warm-up; the generators still produce it (it degenerates to GPipe's order) and it is timed
+as generated. Results are cached on (schedule, p, m, v) and the cost ratios (4 significant
+digits) because the search asks for the same pipelines many times.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from hpctrain.parallel.pipeline.schedules import SCHEDULES as BUILDERS
+from hpctrain.parallel.pipeline.schedules import interleaved_1f1b
+from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.plan.layout import SCHEDULES
 
 
@@ -20,6 +31,26 @@ def _check(schedule: str, pp: int, m: int, v: int) -> None:
         raise ValueError(f"schedule={schedule!r} is unknown; choose one of {SCHEDULES}")
     if pp < 1 or m < 1 or v < 1:
         raise ValueError(f"pp={pp}, m={m}, v={v} must all be >= 1")
+
+
+@lru_cache(maxsize=8192)
+def _simulated(schedule: str, pp: int, m: int, v: int, costs: tuple[float, ...]):
+    """(bubble rate, peak activation sets per rank) of the built schedule."""
+    if schedule == "interleaved_1f1b":
+        built = interleaved_1f1b(pp, m, v)
+    else:
+        built = BUILDERS[schedule](pp, m)
+    t_f, t_b, t_w, t_comm = costs
+    sim = simulate(built, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm)
+    return sim.bubble_rate, tuple(sim.peak_activations)
+
+
+def _ratios(t_f: float, t_b: float, t_w: float, t_comm: float) -> tuple[float, ...]:
+    """Costs scaled to T_F = 1 and rounded: the bubble rate depends only on the ratios."""
+    if t_f <= 0 or t_b < 0 or t_w < 0 or t_comm < 0:
+        raise ValueError(f"costs t_f={t_f} (> 0), t_b={t_b}, t_w={t_w}, t_comm={t_comm} "
+                         "(>= 0) are seconds per chunk and microbatch")
+    return tuple(float(f"{x / t_f:.4g}") for x in (t_f, t_b, t_w, t_comm))
 
 
 def bubble_fraction(
@@ -33,46 +64,26 @@ def bubble_fraction(
     t_w: float = 1.0,
     t_comm: float = 0.0,
 ) -> float:
-    """Idle fraction of a step: bubble / (bubble + m·v·(T_F+T_B+T_W)).
-
-    bubble, per schedule (Huang et al. 2019; Narayanan et al. 2021; Qi et al. 2024):
-      gpipe, 1f1b        (p−1)·(T_F+T_B+T_W)            → (p−1)/(m+p−1) for any times
-      interleaved_1f1b   (p−1)·(T_F+T_B+T_W)/v per chunk → (p−1)/(v·m+p−1)
-      zb_h1              (p−1)·(T_F+T_B−T_W)
-      zb_h2              max(0, (p−1)·(T_F+T_B−2·T_W)) + 2·(p−1)·T_comm   (the paper's form)
-      zbv                treated as zb_h2 over v=2 chunks (upper bound until simulated)
-    Only zb_h2 charges T_comm, as in Qi et al.'s Table 5; the others ignore it. The defaults
-    T_F = T_B = T_W give the usual idealised ratios (zb_h1 = one third of 1f1b's bubble).
-    """
+    """Idle fraction of a step, (cost − work)/cost, simulated for the exact schedule (module
+    docstring). pp = 1 has no pipeline: 0."""
     _check(schedule, pp, m, v)
     if pp == 1:
         return 0.0
-    work = m * v * (t_f + t_b + t_w)
-    if schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
-        bubble = (pp - 1) * (t_f + t_b + t_w)
-    elif schedule == "zb_h1":
-        bubble = (pp - 1) * (t_f + t_b - t_w)
-    else:  # zb_h2, zbv
-        bubble = max(0.0, (pp - 1) * (t_f + t_b - 2 * t_w)) + 2 * (pp - 1) * t_comm
-    return bubble / (bubble + work)
+    return _simulated(schedule, pp, m, v, _ratios(t_f, t_b, t_w, t_comm))[0]
 
 
 def in_flight_microbatches(schedule: str, *, pp: int, m: int, v: int = 1) -> int:
-    """Peak (microbatch, chunk) activation sets alive on the busiest rank (the first stage).
+    """Peak (microbatch, chunk) activation sets alive on the busiest rank, from the simulator.
 
     One set = the activations of n_layers/(pp·v) layers for one microbatch, so memory is
-    in_flight × that. gpipe keeps all m·v; 1f1b and zb_h1 min(m, p); interleaved_1f1b
-    min(m·v, v·p + p − 1) (Megatron's warm-up count + 1, i.e. l·(1 + (p−1)/(p·v)) layers);
-    zb_h2 min(m, 2p − 1) (its deeper warm-up); zbv min(2m, 2p) (V shape: p microbatches of
-    both chunks, the same bytes as 1f1b).
+    in_flight × that (`hpctrain.plan.memory`). pp = 1 keeps one microbatch at a time.
     """
+    return max(in_flight_by_rank(schedule, pp=pp, m=m, v=v))
+
+
+def in_flight_by_rank(schedule: str, *, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Peak (microbatch, chunk) activation sets alive on each pipeline rank (first to last)."""
     _check(schedule, pp, m, v)
-    if schedule == "gpipe":
-        return m * v
-    if schedule in ("1f1b", "zb_h1"):
-        return min(m, pp)
-    if schedule == "interleaved_1f1b":
-        return min(m * v, v * pp + pp - 1)
-    if schedule == "zb_h2":
-        return min(m, 2 * pp - 1)
-    return min(2 * m, 2 * pp)  # zbv
+    if pp == 1:
+        return (1,)
+    return _simulated(schedule, pp, m, v, (1.0, 1.0, 1.0, 0.0))[1]

@@ -29,13 +29,20 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
+from hpctrain.plan.activations import stage_activation_bytes
+from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.calibrate import local_cluster, measure_device
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import is_moe
 from hpctrain.plan.flat_states import flat_state_bytes
-from hpctrain.plan.memory import ModelStates, model_state_bytes, rank_state_bytes
+from hpctrain.plan.memory import (
+    ModelStates,
+    model_state_bytes,
+    rank_state_bytes,
+    state_bytes_per_param,
+)
 from hpctrain.plan.shapes import rank_params
-from hpctrain.plan.task import cluster_spec, layout_of
+from hpctrain.plan.task import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,39 @@ def predicted_states(cfg: Config) -> ModelStates:
     return model_state_bytes(psi, dp=p.dp, zero=p.zero, precision="fp32", offload=p.offload)
 
 
+def predicted_activations(cfg: Config) -> dict[str, float]:
+    """Saved-for-backward bytes at the peak of a step on the first and the last pipeline stage
+    (`hpctrain.plan.activations`; the logging rank is a last stage)."""
+    p, t = cfg.parallel, cfg.train
+    layout = layout_of(cfg)
+    acts = stage_activation_bytes(
+        cfg.model, seq_len=t.seq_len // p.cp, micro_batch_size=t.micro_batch_size, tp=p.tp,
+        sp=p.sp, pp=p.pp, layers_per_chunk=cfg.model.n_layers / (p.pp * layout.virtual_stages),
+        in_flight=_in_flight(cfg, layout), recompute=t.activation_checkpointing,
+        precision=t.precision)
+    if p.zero == 3 and p.dp * p.cp > 1:  # every block's gathered weights, saved until its B
+        gathered = rank_params(cfg.model, tp=p.tp, pp=p.pp) * state_bytes_per_param(
+            t.precision)[0]
+        acts = {stage: value + gathered for stage, value in acts.items()}
+    return acts
+
+
+def _in_flight(cfg: Config, layout) -> tuple[int, ...]:
+    simulated_in_flight(cfg)  # the runtime's checks of the schedule, same messages
+    return in_flight_by_rank(layout.schedule, pp=layout.pp, m=cfg.grad_accum,
+                             v=layout.virtual_stages)
+
+
+def predicted_peak(cfg: Config) -> dict[str, float]:
+    """Bytes on the busiest rank: model states (`predicted_states`) + activations (the larger
+    stage), and the logging rank's activations for the run's comparison."""
+    states, acts = predicted_states(cfg), predicted_activations(cfg)
+    busiest = max(acts.values())
+    return {"states": states.total, "activations": busiest, "total": states.total + busiest,
+            "logging_rank_activations": acts["last"],
+            "logging_rank_total": states.total + acts["last"]}
+
+
 def predicted_step_time(cfg: Config, cluster: ClusterSpec):
     """`hpctrain.plan.time.step_time` for `cfg` on `cluster` (no dp overlap assumed)."""
     t = cfg.train
@@ -82,10 +122,11 @@ def predicted_step_time(cfg: Config, cluster: ClusterSpec):
 
 def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str, Any]:
     """predicted_* metrics for the run: step time, its compute part, the peak it assumed,
-    and model-state bytes (total and per category). Failures are logged, never raised: a
+    model-state bytes (total and per category), the logging rank's activation bytes and
+    peak (states + activations; `predicted_peak`). Failures are logged, never raised: a
     planner gap must not stop training."""
     try:
-        states = predicted_states(cfg)
+        states, peak = predicted_states(cfg), predicted_peak(cfg)
         cluster = run_cluster(cfg, device=device)
         st = predicted_step_time(cluster=cluster, cfg=cfg)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -94,8 +135,12 @@ def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str,
     out = {"predicted_step_time_s": st.step_time_s, "predicted_compute_s": st.compute_s,
            "predicted_peak_flops": cluster.device.peak_flops(cfg.train.precision),
            "predicted_device": cluster.device.name,
+           "layout": f"{layout_of(cfg).describe()} {cfg.train.activation_checkpointing}",
+           "parallel_auto": cfg.parallel.auto,
            "predicted_mem_model_state_bytes": int(states.total)}
     out.update({f"predicted_{key}": int(getattr(states, name)) for name, key in STATE_KEYS})
+    out.update(predicted_mem_activation_bytes=int(peak["logging_rank_activations"]),
+               predicted_mem_peak_bytes=int(peak["logging_rank_total"]))
     return out
 
 
@@ -106,9 +151,15 @@ def compare(predicted: dict[str, Any], *, step_time_s: float | None,
         return {}
     measured_mem = sum(ledger.get(key, 0) for _, key in STATE_KEYS)
     out = {**predicted, "mem_model_state_bytes": measured_mem,
+           "mem_activation_bytes": ledger.get("mem_activation_peak_bytes"),
+           "mem_peak_bytes": ledger.get("mem_bytes"),
            "step_time_ratio": _ratio(step_time_s, predicted.get("predicted_step_time_s")),
            "mem_model_state_ratio": _ratio(measured_mem,
-                                           predicted.get("predicted_mem_model_state_bytes"))}
+                                           predicted.get("predicted_mem_model_state_bytes")),
+           "mem_activation_ratio": _ratio(ledger.get("mem_activation_peak_bytes"),
+                                          predicted.get("predicted_mem_activation_bytes")),
+           "mem_peak_ratio": _ratio(ledger.get("mem_bytes"),
+                                    predicted.get("predicted_mem_peak_bytes"))}
     return out
 
 

@@ -18,8 +18,9 @@ from typing import Any
 from hpctrain.config import Config, build
 from hpctrain.metrics.devices import DEVICES, lookup_device
 from hpctrain.parallel.pipeline.schedules import build_schedule
-from hpctrain.parallel.pipeline.simulate import simulate
-from hpctrain.plan.calibrate import calibrated_cluster
+from hpctrain.plan.bubble import in_flight_microbatches
+from hpctrain.plan.calibrate import calibrated_cluster, local_cluster
+from hpctrain.plan.calibrate_run import read_run, refine, run_device
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
@@ -42,6 +43,15 @@ class PlanConfig:
     # Typical document length (tokens) of rows packed with data.packing=documents: attention
     # FLOPs count min(it, seq_len) keys per token instead of seq_len. None: whole rows.
     document_tokens: int | None = None
+    # Before a training run (hpctrain.plan.auto): a layout whose predicted peak bytes per rank
+    # exceed (1 − headroom) × the device memory is refused, unless force. memory_limit_gb
+    # (GiB) replaces the device table's memory; on a CPU without it nothing is refused.
+    headroom: float = 0.1
+    memory_limit_gb: float | None = None
+    force: bool = False
+    # A finished training run's dir: its measured step times refine achievable_fraction (and,
+    # without cluster.accelerator, its measured device is the plan's); hpctrain.plan.calibrate_run
+    calibrate_from: str | None = None
 
 
 def plan_settings(cfg: Config) -> PlanConfig:
@@ -72,15 +82,33 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
     return spec if c.calibration is None else calibrated_cluster(c.calibration, base=spec)
 
 
+def plan_cluster(cfg: Config) -> tuple[ClusterSpec, dict[str, Any] | None]:
+    """`cluster_spec`, refined by plan.calibrate_from when set (with what it changed)."""
+    source = plan_settings(cfg).calibrate_from
+    if source is None:
+        return cluster_spec(cfg), None
+    run, c = read_run(source), cfg.cluster
+    if c.accelerator is None and c.calibration is None:
+        base = local_cluster(run_device(run, precision=cfg.train.precision),
+                             gpus_per_node=c.procs_per_node,
+                             achievable_fraction=c.achievable_fraction)
+    else:
+        base = cluster_spec(cfg)
+    cluster, record = refine(base, run)
+    return cluster, {"from": str(source), **record}
+
+
 def simulated_in_flight(cfg: Config) -> int:
-    """Peak activation sets on the busiest rank, from the real schedule (1 without pp)."""
+    """Peak (microbatch, chunk) activation sets on the busiest rank, from the real schedule
+    (`hpctrain.plan.bubble`; 1 without pp)."""
     p = cfg.parallel
     if p.pp == 1:
         return 1
-    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
-                              virtual_stages=p.virtual_stages)
-    peak = max(simulate(schedule, t_f=1.0, t_b=1.0, t_w=1.0).peak_activations)
-    return -(-peak // schedule.chunks)  # a chunk holds 1/v of the rank's layers
+    layout = layout_of(cfg)
+    build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
+                   virtual_stages=p.virtual_stages)  # the runtime's checks, same messages
+    return in_flight_microbatches(layout.schedule, pp=p.pp, m=cfg.grad_accum,
+                                  v=layout.virtual_stages)
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -92,7 +120,8 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def run_plan(cfg: Config) -> dict[str, Any]:
-    settings, cluster, t = plan_settings(cfg), cluster_spec(cfg), cfg.train
+    settings, t = plan_settings(cfg), cfg.train
+    cluster, calibration = plan_cluster(cfg)
     attended = (None if settings.document_tokens is None
                 else min(settings.document_tokens, t.seq_len))
     common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
@@ -101,6 +130,10 @@ def run_plan(cfg: Config) -> dict[str, Any]:
     report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
                          recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
                          dp_overlap=settings.dp_overlap, **common)
+    if calibration is not None:
+        report["calibration"] = calibration
+        log.info("calibrated from %s: achievable_fraction %.3g → %.3g", calibration["from"],
+                 calibration["achievable_fraction_before"], calibration["achievable_fraction"])
     log.info("plan for %s on %s:\n%s", cfg.model.name, cluster.device.name,
              format_plan_table(report))
     if settings.search:

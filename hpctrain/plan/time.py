@@ -1,19 +1,32 @@
-"""Step-time model: compute + tensor-parallel + pipeline p2p + bubble + exposed data-parallel.
+"""Step-time model: a pipeline of per-chunk kernel costs, timed by the schedule's simulator.
 
-Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatches of b sequences:
-  compute  = F / n / (peak · achievable_fraction), F = T · training_flops_per_token (with the
-             recomputed forward when recompute='full': Megatron's 96·B·s·l·h²·(1 + s/(6h) +
-             V/(16·l·h)); 6N-style `flops_per_token` otherwise). With fp8, the block linears'
-             share F₈ = T · fp8_flops_per_token runs at the device's FP8 peak instead:
-             compute = ((F − F₈)/peak + F₈/peak_fp8) / n / achievable_fraction
-  comm_tp  = m · (l/pp) · k · ring_all_reduce(b·s·h·2 bytes over t), k = 4 all-reduces per layer
-             (2 forward, 2 backward) + 2 when the forward is recomputed; sequence parallelism
-             swaps each for a reduce-scatter + all-gather of the same cost
-  comm_pp  = 2 · m · v · (b·s·h·2/t bytes / bw + latency): one activation forward and one
-             gradient backward per microbatch per chunk (Megatron's scatter/gather send of 1/t)
-  bubble   = busy · f/(1 − f), busy = compute + comm_tp + comm_pp, f = bubble_fraction(...)
+Per rank, with n = dp·cp·tp·pp devices, m microbatches of b sequences, v chunks per rank of
+L = l/(pp·v) layers, each term below with its source:
+  kernels  = `hpctrain.plan.kernels.layer_cost`: each layer's GEMMs on a roofline (so GEMM
+             efficiency follows the matrix shape), the attention core, and the memory-bound
+             LayerNorm/softmax/dropout/GeLU kernels at HBM bandwidth (Megatron-LM 2021 §4.2's
+             fused kernels; no sequence parallelism unless layout.sp). Full recomputation
+             re-runs each layer's forward inside its backward (Megatron 2021 ran every Table 1
+             model so: its FLOP count 96·B·s·l·h²·(…) includes the recomputed forward)
+  comm_tp  = per layer and microbatch 2 all-reduces of b·s·h activations in the forward, 2 in
+             the backward, +2 when the forward is recomputed (Shoeybi et al. 2019, f and g);
+             blocking, on the critical path (Megatron 2021 does not overlap them)
+  per-chunk action costs for the simulator: T_F = L·(F + 2·AR), T_B = L·(B + (2|4)·AR),
+             T_W = L·W (the weight-gradient GEMMs; schedules without a W split run B+W)
+  bubble   = the simulator's idle time of the exact schedule with those costs and no hop
+             latency (`hpctrain.plan.bubble`): cost − work
+  comm_pp  = what one stage-to-stage hop (b·s·h/t bytes: Megatron's scatter/gather send of
+             1/t of the activation, then an all-gather over NVLink) adds to the simulated
+             step: cost(T_comm) − cost(0), i.e. only the p2p on the critical path
+  head     = the output layer's three GEMMs per microbatch (`kernels.head_cost`), on the last
+             stage, which paces the pipeline
+  fp8      = with train.fp8 the block projections' GEMMs run on an FP8 roofline (the device's
+             dense FP8 peak · achievable_fraction, 1-byte operands); the output head and the
+             attention core stay in 16 bits (train.fp8_skip). MoE experts (stacked weights, not
+             FP8 linears) are counted with the projections: an optimistic bound for MoE + fp8
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
+             (Megatron 2021 reduces after the pipeline flush: dp_overlap = 0)
   comm_cp  = the cp traffic per layer and microbatch, in key/value shards of 2·b·(s/cp)·K·H_d
              elements (parallel.context.ring.ring_shards; + (cp − 1) with full recompute,
              which reruns the forward's traffic), by transport (parallel.cp_comm):
@@ -32,10 +45,15 @@ Per rank, with n = dp·tp·pp devices, T = global_batch·s tokens, m microbatche
   comm_ep  = the all-to-all of MoE blocks under ep > 1, and expert gradients reduce over the
              (dp/ep)·cp ranks holding the same experts (`hpctrain.plan.experts`); compute
              counts active FLOPs (the top_k + shared experts a token passes through)
+  ep and the exposed cp time are added to the step outside the simulated actions (serially,
+             not yet split into T_F/T_B)
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
-The optimizer step and the elementwise kernels are not timed separately: achievable_fraction
-absorbs them. Attention FLOPs are linear in the attended length per token: s for rows of one
-sequence, Σ lᵢ²/Σ lᵢ for rows packed with documents of lengths lᵢ (`attended_per_token`).
+The optimizer step and the embedding lookup are not timed (< 1% at these sizes).
+tflops_per_device counts the FLOPs executed (`shapes.training_flops_per_token`), as Megatron
+reports; mfu counts model FLOPs only. Attention is linear in the attended keys per token: s
+for rows of one sequence, Σ lᵢ²/Σ lᵢ for rows packed with documents (`attended_per_token`).
+With one set of constants this meets every row of Megatron-LM 2021 Table 1 within ±5%
+(tests/unit/test_plan_time.py; benchmarks/results/planner.md).
 """
 
 from __future__ import annotations
@@ -46,11 +64,11 @@ from hpctrain.parallel.context.ring import ring_shards
 from hpctrain.plan import experts
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.kernels import head_cost, layer_cost, roofline
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
 from hpctrain.plan.memory import state_bytes_per_param
 from hpctrain.plan.shapes import (
     Shape,
-    fp8_flops_per_token,
     rank_params,
     training_flops_per_token,
 )
@@ -207,6 +225,37 @@ def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, prec
     return m * model.n_moe_layers / layout.pp * k * experts.a2a_time(nbytes, cluster, layout)
 
 
+def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: int,
+                  seq_len: int, keys: float, recompute: str, precision: str,
+                  fp8: bool = False):
+    """(T_F, T_B, T_W) of one chunk and microbatch, tp all-reduces included (module doc)."""
+    r = roofline(cluster.device, precision=precision,
+                 achievable_fraction=cluster.achievable_fraction)
+    r8 = roofline(cluster.device, precision="fp8",
+                  achievable_fraction=cluster.achievable_fraction) if fp8 else None
+    lc = layer_cost(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=layout.tp, sp=layout.sp,
+                    recompute=recompute, precision=precision, fp8=r8)
+    bw, lat = tp_link(cluster, layout.tp)
+    nbytes = mbs * seq_len * model.dim * _act_bytes(precision)
+    ar = ring_time(nbytes, n=layout.tp, bw=bw, latency=lat, op="all_reduce")
+    per_chunk = model.n_layers / (layout.pp * layout.virtual_stages)
+    k_b = 4 if recompute == "full" else 2
+    return (per_chunk * (lc.f + 2 * ar), per_chunk * (lc.b + k_b * ar), per_chunk * lc.w,
+            per_chunk * (lc.f + lc.b + lc.w))
+
+
+def _pipeline(layout: Layout, *, m: int, costs, hop: float) -> tuple[float, float, float]:
+    """(work, bubble, exposed p2p) seconds of one step's pipeline, from the simulator."""
+    t_f, t_b, t_w = costs
+    work = m * layout.virtual_stages * (t_f + t_b + t_w)
+    if layout.pp == 1:
+        return work, 0.0, 0.0
+    kw = dict(pp=layout.pp, m=m, v=layout.virtual_stages, t_f=t_f, t_b=t_b, t_w=t_w)
+    f0 = bubble_fraction(layout.schedule, **kw)
+    f1 = bubble_fraction(layout.schedule, t_comm=hop, **kw)
+    return work, work * f0 / (1 - f0), max(0.0, work / (1 - f1) - work / (1 - f0))
+
+
 def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
@@ -225,38 +274,40 @@ def step_time(
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
     check_layout(model, layout, global_batch=global_batch, micro_batch_size=micro_batch_size)
     m = num_microbatches(global_batch, micro_batch_size=micro_batch_size, dp=layout.dp)
-    n, tokens = layout.n_devices, global_batch * seq_len
-    peak = cluster.device.peak_flops(precision)
     attn = seq_len if attended_per_token is None else attended_per_token
     if not 0 < attn <= seq_len:
         raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
-    executed = tokens * training_flops_per_token(model, seq_len=attn, recompute=recompute)
-    in_fp8 = tokens * fp8_flops_per_token(model, recompute=recompute) if fp8 else 0.0
-    fp8_time = in_fp8 / cluster.device.peak_flops("fp8") if fp8 else 0.0
-    compute = ((executed - in_fp8) / peak + fp8_time) / n / cluster.achievable_fraction
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
+    *costs, kernels = _action_costs(model, cluster, layout, mbs=micro_batch_size,
+                                    seq_len=seq_len // layout.cp, keys=attn,
+                                    recompute=recompute, precision=precision, fp8=fp8)
+    r = roofline(cluster.device, precision=precision,
+                 achievable_fraction=cluster.achievable_fraction)
+    head = m * head_cost(model, r, mbs=micro_batch_size, seq_len=seq_len // layout.cp,
+                         tp=layout.tp, precision=precision)
+    compute = m * layout.virtual_stages * kernels + head
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
-    pp = pp_comm_s(model, cluster, layout, **kw)
+    hop = pp_comm_s(model, cluster, layout, **{**kw, "m": 1}) / (2 * layout.virtual_stages)
+    work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
     cp_traffic = cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len},
                            recompute=recompute)
     cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)
     ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
-    frac = bubble_fraction(layout.schedule, pp=layout.pp, m=m, v=layout.virtual_stages)
-    bubble = (compute + tp + pp + cp + ep) * frac / (1.0 - frac)
     dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
-    total = compute + tp + pp + cp + ep + bubble + dp
+    return _rates(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, attn=attn,
+                  recompute=recompute, precision=precision,
+                  parts=dict(compute_s=compute, comm_tp_s=tp, comm_pp_s=pp, bubble_s=bubble,
+                             comm_cp_s=cp, comm_ep_s=ep, comm_dp_s=dp),
+                  frac=bubble / (bubble + work) if work else 0.0)
+
+
+def _rates(model, cluster, layout, *, global_batch, seq_len, attn, recompute, precision,
+           parts: dict[str, float], frac: float) -> StepTime:
+    """The StepTime of `parts` with the rates derived from their sum (module docstring)."""
+    total = sum(parts.values())
+    n, tokens = layout.n_devices, global_batch * seq_len
+    executed = tokens * training_flops_per_token(model, seq_len=attn, recompute=recompute)
     model_flops = tokens * model.flops_per_token(attn)
-    return StepTime(
-        step_time_s=total,
-        compute_s=compute,
-        comm_tp_s=tp,
-        comm_dp_s=dp,
-        comm_pp_s=pp,
-        bubble_s=bubble,
-        bubble_fraction=frac,
-        tokens_per_s=tokens / total,
-        tflops_per_device=executed / n / total / 1e12,
-        mfu=model_flops / n / total / peak,
-        comm_cp_s=cp,
-        comm_ep_s=ep,
-    )
+    return StepTime(step_time_s=total, bubble_fraction=frac, tokens_per_s=tokens / total,
+                    tflops_per_device=executed / n / total / 1e12,
+                    mfu=model_flops / n / total / cluster.device.peak_flops(precision), **parts)

@@ -24,6 +24,7 @@ from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.metrics.activations import ActivationMeter
 from hpctrain.metrics.moe import drop_moe_metrics, moe_metrics
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
@@ -68,6 +69,7 @@ class Trainer:
         self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
+        self.activations = ActivationMeter(self.model.parameters())  # saved-for-backward bytes
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         data_dir = prepare(cfg.data)
         kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)
@@ -142,14 +144,17 @@ class Trainer:
         drop_moe_metrics(self.model)
         micro = list(self.micro_batches(step))
         t0 = time.perf_counter()
-        if self.pipeline is not None:
-            result, step_extra = self._pipeline_step(micro)
-        else:
-            result, step_extra = self.dp.train_step(
-                shard_batches(micro, group=self.mesh.group("cp")), n_micro=cfg.grad_accum,
-                precision=cfg.train.precision, scaler=self.scaler, grad_clip=cfg.train.grad_clip,
-                **self.tp_hooks), {}
+        self.activations.reset()
+        with self.activations:
+            if self.pipeline is not None:
+                result, step_extra = self._pipeline_step(micro)
+            else:
+                result, step_extra = self.dp.train_step(
+                    shard_batches(micro, group=self.mesh.group("cp")), n_micro=cfg.grad_accum,
+                    precision=cfg.train.precision, scaler=self.scaler,
+                    grad_clip=cfg.train.grad_clip, **self.tp_hooks), {}
         dt = time.perf_counter() - t0
+        step_extra = {**step_extra, "mem_activation_bytes": self.activations.peak_bytes}
         self.step += 1
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
@@ -179,8 +184,11 @@ class Trainer:
     def memory_metrics(self) -> dict[str, int]:
         ledger = self.dp.ledger()
         on_device = peak_memory_bytes(self.mesh.device)
-        total = sum(ledger.values()) if self.mesh.device.type == "cpu" else on_device
-        return {**ledger, "mem_bytes": total, "mem_peak_process_bytes": on_device}
+        acts = max((m.get("mem_activation_bytes", 0) for m in self.history), default=0)
+        # CPU: model states (the ledger) + the largest saved-activation peak of a step
+        total = sum(ledger.values()) + acts if self.mesh.device.type == "cpu" else on_device
+        return {**ledger, "mem_activation_peak_bytes": acts, "mem_bytes": total,
+                "mem_peak_process_bytes": on_device}
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

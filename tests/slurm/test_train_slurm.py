@@ -199,3 +199,22 @@ def test_sweep_with_failing_point_reports_it(slurm_cluster, tmp_path):
     assert any(p.endswith("_1_0_log.err") for p in rows[1]["logs"]), rows[1]["logs"]
     table = (tmp_path / "sweep_summary.md").read_text()
     assert "point 1 failed" in table and "| 0 | ok |" in table
+
+
+def test_parallel_auto_on_the_local_cluster(slurm_cluster, tmp_path):
+    """`parallel=auto cluster=slurm_local`: every Slurm task chooses the same layout, task 0
+    writes plan.json, and it trains to the single process's losses. The job's size comes from
+    cluster.nodes × procs_per_node (there are no degrees yet to derive it from)."""
+    small = [*SMALL, "train.steps=4"]
+    proc = _hpctrain(["cluster=slurm_local", "cluster.nodes=2", "parallel=auto", *small,
+                      f"hydra.sweep.dir={tmp_path / 'sw'}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = tmp_path / "sw" / "0"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["completed_steps"] == 4
+    assert summary["layout"] == f"{plan['chosen']['layout']} {plan['chosen']['recompute']}"
+    ref = _local_reference(small, tmp_path / "single")
+    got = _losses(run_dir)
+    assert [s for s, _ in got] == [s for s, _ in ref] == [1, 2, 3, 4]
+    assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-5)

@@ -93,25 +93,33 @@ def test_apply_fp8_skips_embedding_and_head():
 
 
 def test_planner_times_block_linears_at_fp8_peak():
-    """H200: the block linears' FLOPs at the FP8 peak (1979 ≈ 2 × 989 TFLOP/s dense), the
-    rest (attention core, head) at bf16; MFU keeps the bf16 denominator."""
+    """H200: the block projections' GEMMs on the FP8 roofline (1979 ≈ 2 × 989 TFLOP/s dense,
+    1-byte operands), the rest (attention core, elementwise, head) unchanged in bf16; MFU keeps
+    the bf16 denominator."""
     from hpctrain.metrics.devices import DEVICES
     from hpctrain.plan.cluster import ClusterSpec
+    from hpctrain.plan.kernels import _projections, layer_cost, roofline
     from hpctrain.plan.layout import Layout
-    from hpctrain.plan.shapes import fp8_flops_per_token, training_flops_per_token
     from hpctrain.plan.time import step_time
 
     h200 = DEVICES["H200"]
-    bf, p8 = h200.peak_flops("bf16"), h200.peak_flops("fp8")
-    assert p8 == 1979e12  # the datasheet's 3,958 TFLOPS with sparsity, halved
+    assert h200.peak_flops("fp8") == 1979e12  # the datasheet's 3,958 TFLOPS with sparsity, halved
     model = PRESETS["debug"].with_(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                                    ffn_dim=8192, vocab_size=32000, max_seq_len=2048)
     cluster = ClusterSpec(device=h200, gpus_per_node=8, intra_node_bw=450e9, inter_node_bw=50e9)
     kw = dict(layout=Layout(), global_batch=8, micro_batch_size=8, seq_len=2048)
     bf16, fp8 = step_time(model, cluster, **kw), step_time(model, cluster, **kw, fp8=True)
-    f, f8 = training_flops_per_token(model, seq_len=2048), fp8_flops_per_token(model)
-    assert 0.5 < f8 / f < 1  # most of the work is block linears at this size
-    assert fp8.compute_s / bf16.compute_s == pytest.approx((f - f8 + f8 * bf / p8) / f, rel=1e-9)
+    frac = cluster.achievable_fraction
+    r, r8 = (roofline(h200, precision=p, achievable_fraction=frac) for p in ("bf16", "fp8"))
+    shape = dict(mbs=8, seq_len=2048, keys=2048, tp=1, sp=False, recompute="none",
+                 precision="bf16")
+    lc, lc8 = layer_cost(model, r, **shape), layer_cost(model, r, **shape, fp8=r8)
+    assert lc8.w == pytest.approx(_projections(model, r8, tokens=8 * 2048, tp=1, elem=1))
+    assert lc8.w < 0.6 * lc.w  # the projections at about twice the rate
+    assert lc8.f - lc8.w == pytest.approx(lc.f - lc.w, rel=1e-12)  # core + elementwise unchanged
+    # one micro-batch, one chunk: F, B and W each hold the projections once per layer
+    saved = model.n_layers * 3 * (lc.w - lc8.w)
+    assert bf16.compute_s - fp8.compute_s == pytest.approx(saved, rel=1e-9)
     assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)
     from hpctrain.plan.memory import memory_breakdown
 

@@ -1,44 +1,50 @@
-"""Closed-form bubble fractions and activations in flight."""
+"""The planner's bubble and in-flight counts are the pipeline simulator's, for every schedule."""
 
 import pytest
 
+from hpctrain.parallel.pipeline.schedules import build_schedule
+from hpctrain.parallel.pipeline.simulate import simulate
 from hpctrain.plan.bubble import bubble_fraction, in_flight_microbatches
 
-
-def test_gpipe_and_1f1b_closed_form():
-    for schedule in ("gpipe", "1f1b"):
-        assert bubble_fraction(schedule, pp=4, m=8) == pytest.approx(3 / 11)
-    assert bubble_fraction("1f1b", pp=1, m=8) == 0.0
-
-
-def test_interleaving_divides_the_bubble_by_v():
-    assert bubble_fraction("interleaved_1f1b", pp=4, m=8, v=2) == pytest.approx(3 / 19)
+COSTS = [(1.0, 1.0, 1.0, 0.0), (1.0, 2.0, 1.0, 0.0), (1.0, 1.3, 0.4, 0.05), (2.0, 1.0, 3.0, 0.2)]
+GRID = [("gpipe", p, m, 1) for p, m in ((2, 1), (4, 8))] + [
+    (s, p, m, 1) for s in ("1f1b", "zb_h1", "zb_h2") for p, m in ((2, 2), (4, 5), (8, 8), (4, 16))
+] + [("interleaved_1f1b", p, m, v) for p, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 3), (8, 16, 2))
+     ] + [("zbv", p, m, 2) for p, m in ((2, 2), (4, 6), (4, 8), (8, 16))]
 
 
-def test_zb_h1_is_a_third_of_1f1b_bubble_with_equal_times():
-    p, m = 8, 24
-    assert bubble_fraction("zb_h1", pp=p, m=m) == pytest.approx((p - 1) / (3 * m + p - 1))
+@pytest.mark.parametrize("schedule, p, m, v", GRID)
+def test_planner_bubble_equals_simulator(schedule, p, m, v):
+    sched = build_schedule(schedule, pp=p, microbatches=m, virtual_stages=v)
+    for t_f, t_b, t_w, t_comm in COSTS:
+        sim = simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm)
+        got = bubble_fraction(schedule, pp=p, m=m, v=v, t_f=t_f, t_b=t_b, t_w=t_w,
+                              t_comm=t_comm)
+        assert got == pytest.approx(sim.bubble_rate, rel=1e-3, abs=1e-9), (t_f, t_b, t_w)
+    assert in_flight_microbatches(schedule, pp=p, m=m, v=v) == max(
+        simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0).peak_activations)
 
 
-def test_zb_h2_matches_zero_bubble_table5(reference):
-    """Qi et al. Table 5's ZB-H2 column is this closed form on their profiled times."""
+def test_the_cases_the_closed_forms_got_wrong():
+    """Issue 17: ZB-H2 with p <= m < 2p-1 is not bubble-free; ZB-V with T_B != T_F."""
+    assert bubble_fraction("zb_h2", pp=8, m=8) == pytest.approx(0.2258, abs=1e-4)
+    got = bubble_fraction("zbv", pp=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=1.0)
+    assert got == pytest.approx(0.0857, abs=1e-4)
+
+
+def test_matches_zero_bubble_table5(reference):
+    """Qi et al. Table 5, every schedule column, from their profiled per-stage times."""
     for row in reference("zero_bubble_table5.csv"):
-        got = bubble_fraction(
-            "zb_h2", pp=int(row["p"]), m=int(row["m"]), t_f=float(row["t_f"]),
-            t_b=float(row["t_b"]), t_w=float(row["t_w"]), t_comm=float(row["t_comm"]),
-        )
-        assert got == pytest.approx(float(row["zb_h2"]), abs=5e-4), row["model"]
+        costs = {k: float(row[k]) for k in ("t_f", "t_b", "t_w", "t_comm")}
+        for schedule in ("1f1b", "zb_h1", "zb_h2"):
+            got = bubble_fraction(schedule, pp=int(row["p"]), m=int(row["m"]), **costs)
+            assert got == pytest.approx(float(row[schedule]), abs=1e-3), (row["model"], schedule)
 
 
-def test_in_flight_per_schedule():
-    assert in_flight_microbatches("gpipe", pp=4, m=8) == 8
-    assert in_flight_microbatches("1f1b", pp=4, m=8) == 4
-    assert in_flight_microbatches("1f1b", pp=4, m=2) == 2
-    assert in_flight_microbatches("interleaved_1f1b", pp=4, m=8, v=2) == 11
-    assert in_flight_microbatches("zb_h2", pp=4, m=8) == 7
-    assert in_flight_microbatches("zbv", pp=4, m=8, v=2) == 8
-
-
-def test_unknown_schedule_is_rejected():
+def test_no_pipeline_and_unknown_schedule():
+    assert bubble_fraction("1f1b", pp=1, m=8) == 0.0
+    assert in_flight_microbatches("gpipe", pp=1, m=8) == 1
     with pytest.raises(ValueError, match="schedule='dualpipe' is unknown"):
         bubble_fraction("dualpipe", pp=2, m=2)
+    with pytest.raises(ValueError, match="t_f=0"):
+        bubble_fraction("1f1b", pp=2, m=2, t_f=0.0)

@@ -1,0 +1,69 @@
+"""Activation bytes of hpctrain's own Llama blocks: what autograd saves, tensor by tensor.
+
+`plan.memory` keeps Korthikanti et al.'s GPT table for Megatron's shapes; this module counts
+what `hpctrain.models.llama` saves for backward, so a run's predicted activation and peak memory
+can be checked against `hpctrain.metrics.activations.ActivationMeter` (the same quantity,
+measured). Per token of a microbatch (T = b·s/cp tokens), e = activation element bytes (4 in
+fp32; 2 for the matmul outputs under bf16/fp16 autocast, whose norms still compute in fp32),
+h model width, K·d key/value width, N heads, f MLP width, t tp:
+
+  RMSNorm (×2)   input x (e·h), fp32 normalised y (4h), rstd (4), output (e·h); on T/t tokens
+                 under sequence parallelism, whose all-gathered linear input adds e·h more
+  attention      q and the output (e·h/t each), k and v after RoPE (e·K·d/t each), the fp32
+                 log-sum-exp (4·N/t); a fused backend keeps no L×L matrix; eager adds the
+                 probabilities and scores (2·e·N/t·s per token)
+  SwiGLU         w1 and w3 outputs, silu(w1), their product (4·e·f/t)
+  full recompute only each layer's input (e·h, /t under sp) plus one layer's set while it is
+                 recomputed
+Outside the layers, on the first stage: the token ids (8 bytes) and the RoPE tables of the
+microbatch (cos and sin, 2·4·d per token, shared by every layer); on the last stage: the final
+norm (as above), the logits (e·V/t) and the loss's fp32 log-softmax (4·V/t). The busiest stage
+is the larger of the first (most microbatches in flight) and the last (the head).
+"""
+
+from __future__ import annotations
+
+from hpctrain.models.config import ModelConfig
+
+
+def _norm(h: float, e: int) -> float:
+    return 2 * e * h + 4 * h + 4
+
+
+def layer_bytes_per_token(model: ModelConfig, *, seq_len: int, tp: int, sp: bool,
+                          precision: str) -> float:
+    """Saved bytes of one block per token of a microbatch, no recomputation (module doc)."""
+    e = 4 if precision == "fp32" else 2
+    h, n, f, t = model.dim, model.n_heads, model.ffn_dim, tp
+    kv = model.n_kv_heads * model.head_dim
+    norms = 2 * (_norm(h, e) / (t if sp else 1) + (e * h if sp and t > 1 else 0))
+    attn = e * (2 * h + 2 * kv) / t + 4 * n / t
+    if getattr(model, "attention", "sdpa") == "eager":
+        attn += 2 * e * n / t * seq_len
+    return norms + attn + 4 * e * f / t
+
+
+def stage_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size: int,
+                           tp: int, sp: bool, pp: int, layers_per_chunk: float,
+                           in_flight: tuple[int, ...], recompute: str,
+                           precision: str) -> dict[str, float]:
+    """Peak saved bytes on the first and on the last pipeline stage (the same stage when
+    pp = 1). in_flight: (microbatch, chunk) sets alive at the peak of each pipeline rank,
+    first to last (the simulator's, `plan.bubble.in_flight_by_rank`)."""
+    e = 4 if precision == "fp32" else 2
+    tokens = micro_batch_size * seq_len
+    per_layer = tokens * layer_bytes_per_token(model, seq_len=seq_len, tp=tp, sp=sp,
+                                               precision=precision)
+    stored_input = tokens * e * model.dim / (tp if sp else 1)
+
+    def stored(sets: int) -> float:
+        if recompute == "full":  # layer inputs, plus the layer being recomputed
+            return sets * layers_per_chunk * stored_input + per_layer
+        return sets * layers_per_chunk * per_layer
+
+    first = stored(in_flight[0]) + in_flight[0] * tokens * (8 + 2 * 4 * model.head_dim)
+    head = tokens * (_norm(model.dim, e) + (e + 4) * model.vocab_size / tp + 8)
+    if pp == 1:
+        return {"first": first + head, "last": first + head}
+    # the last stage keeps each microbatch's logits until its backward, like its layers
+    return {"first": first, "last": stored(in_flight[-1]) + in_flight[-1] * head}

@@ -1,0 +1,224 @@
+"""The planner before launch: `parallel=auto` chooses the layout, and a hand-written layout
+predicted not to fit is refused.
+
+`choose_layout(cfg, accept=...)` searches dp, cp, tp, pp, schedule, virtual stages, ZeRO stage
+and activation checkpointing for the model, the job's ranks and the batch
+(`hpctrain.plan.search`), and returns `cfg` with the fastest candidate that fits under the
+memory headroom and that `accept` (the caller's full config validation: "the launcher runs
+it") finds no problem with. Offload is tried only when nothing fits without it. The search
+is deterministic: every Slurm task that parses the same config gets the same layout.
+
+The cluster it plans for (`planning_cluster`): cluster.accelerator / cluster.calibration when
+set (`plan.task.cluster_spec`); otherwise this machine as a nominal CPU device (NOMINAL_CPU_FLOPS,
+the LOCAL_* gloo links) whose memory is plan.memory_limit_gb, or the host's RAM shared by the
+node's ranks. Nothing is measured, so the choice cannot differ between ranks.
+
+Memory limit (`memory_limit`): plan.memory_limit_gb, else the accelerator's memory; a layout
+fits when its predicted peak (model states + activations + buffers, `plan.memory`) is at most
+(1 − plan.headroom) × the limit. `fit_problems` refuses a hand-written layout above it before
+any rank starts, naming the numbers and the fastest layout that fits; plan.force=true runs it
+anyway. A CPU run with no plan.memory_limit_gb has no limit to refuse against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpctrain.config import Config
+from hpctrain.metrics.devices import DeviceSpec
+from hpctrain.plan.calibrate import local_cluster
+from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.predict import predicted_peak
+from hpctrain.plan.search import GIB, Candidate, evaluate_layout, search_layouts
+from hpctrain.plan.task import cluster_spec, layout_of, plan_settings
+
+log = logging.getLogger(__name__)
+NOMINAL_CPU_FLOPS = 50e9  # only ranks layouts; the time model's own numbers need a device row
+Accept = Callable[[Config], list[str]]
+
+
+def planning_cluster(cfg: Config) -> ClusterSpec:
+    """The ClusterSpec the pre-launch planner uses (module docstring)."""
+    c = cfg.cluster
+    if c.accelerator is not None or c.calibration is not None:
+        return cluster_spec(cfg)
+    limit = plan_settings(cfg).memory_limit_gb
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, c.procs_per_node)
+    device = DeviceSpec(name="cpu (nominal)", bf16_flops=NOMINAL_CPU_FLOPS,
+                        fp16_flops=NOMINAL_CPU_FLOPS, fp32_flops=NOMINAL_CPU_FLOPS,
+                        memory_bytes=int(limit * GIB) if limit else int(ram),
+                        hbm_bandwidth=float("nan"))
+    return local_cluster(device, gpus_per_node=c.procs_per_node,
+                         achievable_fraction=c.achievable_fraction)
+
+
+def memory_limit(cfg: Config, cluster: ClusterSpec) -> float | None:
+    """Bytes one rank may use, before headroom; None when there is nothing to check against."""
+    limit = plan_settings(cfg).memory_limit_gb
+    if limit is not None:
+        return limit * GIB
+    if cfg.cluster.accelerator is not None:
+        return float(cluster.device.memory_bytes)
+    return None
+
+
+def _usable(cfg: Config, cluster: ClusterSpec) -> float:
+    limit = memory_limit(cfg, cluster)
+    return (limit if limit is not None else cluster.device.memory_bytes) * (
+        1 - plan_settings(cfg).headroom)
+
+
+def with_layout(cfg: Config, c: Candidate) -> Config:
+    """`cfg` running candidate `c`: its degrees, schedule, ZeRO, offload and recompute."""
+    lay = c.layout
+    parallel = dataclasses.replace(
+        cfg.parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero=lay.zero, sp=lay.sp,
+        offload=lay.offload, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+        microbatches=None)
+    train = dataclasses.replace(cfg.train, activation_checkpointing=c.recompute)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)
+
+
+def candidates(cfg: Config) -> list[Candidate]:
+    """Every layout of the job's ranks, scored, fitting ones fastest first (`search_layouts`),
+    `fits` judged against the usable memory (limit less headroom)."""
+    cluster, t, settings = planning_cluster(cfg), cfg.train, plan_settings(cfg)
+    usable = _usable(cfg, cluster)
+    budget = cluster.with_(device=dataclasses.replace(cluster.device, memory_bytes=int(usable)))
+    n = cfg.cluster.world_size
+    found = search_layouts(
+        cfg.model, budget, n_devices=n, global_batch=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, precision=t.precision,
+        schedules=list(settings.schedules), zero_stages=list(settings.zero_stages),
+        dp_overlap=settings.dp_overlap,
+        context_parallel=[d for d in range(1, n + 1) if n % d == 0])
+    if any(c.fits for c in found):
+        return found
+    kw = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+              seq_len=t.seq_len, precision=t.precision, dp_overlap=settings.dp_overlap)
+    offloaded = [evaluate_layout(cfg.model, budget, dataclasses.replace(c.layout, offload="cpu"),
+                                 c.recompute, **kw) for c in found if c.layout.pp == 1]
+    fitting = sorted((c for c in offloaded if c.fits), key=lambda c: c.time.step_time_s)
+    return fitting + found
+
+
+def ranked(cfg: Config, *, accept: Accept) -> list[tuple[Candidate, str]]:
+    """(candidate, reason) pairs: the chosen one first ('best'), then the rest in search order,
+    each saying why it lost: slower (by how much), refused by hpctrain, or does not fit."""
+    out, best = [], None
+    for c in candidates(cfg):
+        if not c.fits:
+            out.append((c, c.reason))
+            continue
+        problems = accept(with_layout(cfg, c))
+        if problems:
+            out.append((c, "hpctrain cannot run it: " + problems[0]))
+        elif best is None:
+            best = c
+            out.insert(0, (c, "best"))
+        else:
+            out.append((c, _lost(c, best)))
+    return out
+
+
+def _lost(c: Candidate, best: Candidate) -> str:
+    """Why a runnable, fitting candidate lost to `best` (the search's order: time, then lower
+    ZeRO stage, less recomputation, less memory)."""
+    ratio = c.time.step_time_s / best.time.step_time_s
+    if ratio >= 1.005:
+        return f"slower: {ratio:.2f}× best" + _notes(c)
+    if c.layout.zero != best.layout.zero:
+        tie = f"ZeRO-{c.layout.zero} instead of {best.layout.zero}"
+    elif c.recompute != best.recompute:
+        tie = f"recompute={c.recompute} instead of {best.recompute}"
+    else:
+        tie = f"{c.memory.total / best.memory.total:.2f}× best's memory"
+    return f"as fast as best ({ratio:.3f}×) but {tie}"
+
+
+def _notes(c: Candidate) -> str:
+    notes = [f"bubble {c.time.bubble_fraction:.0%}"] if c.time.bubble_fraction > 0.1 else []
+    if c.time.comm_dp_s > 0.2 * c.time.step_time_s:
+        notes.append(f"dp comm {c.time.comm_dp_s / c.time.step_time_s:.0%} of step")
+    return "".join(f"; {n}" for n in notes)
+
+
+def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Candidate, str]]]:
+    """`cfg` with the chosen layout, and the ranking (module docstring). ValueError with the
+    closest candidates' numbers when no layout fits and runs."""
+    order = ranked(cfg, accept=accept)
+    refused = {why for c, why in order if c.fits}
+    if order and order[0][1] != "best" and len(refused) == 1:  # not the layouts' fault
+        raise ValueError(f"parallel=auto: every layout that fits is refused: {refused.pop()}")
+    if not order or order[0][1] != "best":
+        closest = "; ".join(f"{c.layout.describe()} {c.recompute}: {c.memory.total / GIB:.3g} "
+                            f"GiB ({why})" for c, why in order[:3])
+        usable = _usable(cfg, planning_cluster(cfg)) / GIB
+        raise ValueError(
+            f"parallel=auto found no layout of {cfg.model.name} on {cfg.cluster.world_size} "
+            f"rank(s) that fits {usable:.3g} GiB per rank (after plan.headroom="
+            f"{plan_settings(cfg).headroom}) and that hpctrain runs; closest: {closest}. "
+            "Add ranks (cluster.nodes / cluster.procs_per_node), lower "
+            "train.micro_batch_size, or raise plan.memory_limit_gb")
+    return with_layout(cfg, order[0][0]), order
+
+
+def fit_problems(cfg: Config, *, accept: Accept) -> list[str]:
+    """A training layout predicted above the usable memory, unless plan.force (module doc)."""
+    settings = plan_settings(cfg)
+    if cfg.task != "train" or settings.force:
+        return []
+    limit = memory_limit(cfg, planning_cluster(cfg))
+    if limit is None:
+        return []
+    mem = predicted_peak(cfg)
+    if mem["total"] <= limit * (1 - settings.headroom):
+        return []
+    try:
+        better = choose_layout(cfg, accept=accept)[1][0][0]
+        fix = f"use parallel=auto (it would run {better.layout.describe()} {better.recompute})"
+    except ValueError:
+        fix = "add ranks or lower train.micro_batch_size (no layout of this job fits)"
+    return [f"{layout_of(cfg).describe()} with train.activation_checkpointing="
+            f"{cfg.train.activation_checkpointing} is predicted to need {mem['total'] / GIB:.3g} "
+            f"GiB per rank (model states {mem['states'] / GIB:.3g}, activations "
+            f"{mem['activations'] / GIB:.3g}) but "
+            f"{(1 - settings.headroom):.0%} of {limit / GIB:.3g} GiB is "
+            f"{limit * (1 - settings.headroom) / GIB:.3g} GiB (plan.memory_limit_gb / the "
+            f"device, plan.headroom={settings.headroom}): {fix}, raise parallel.zero, set "
+            "train.activation_checkpointing=full, or plan.force=true to run it anyway"]
+
+
+def _row(c: Candidate, reason: str) -> dict[str, Any]:
+    return {"layout": c.layout.describe(), "recompute": c.recompute, "fits": c.fits,
+            "memory_total_bytes": c.memory.total, "memory_activation_bytes": c.memory.activations,
+            "step_time_s": c.time.step_time_s, "bubble_fraction": c.time.bubble_fraction,
+            "reason": reason}
+
+
+def write_plan(cfg: Config, *, accept: Accept, top: int | None = None) -> dict[str, Any]:
+    """Log the chosen layout and the top five (plan.top) with why each lost, and write them
+    into `plan.json` in the run dir. Called once per job, before the ranks start."""
+    order = ranked(cfg, accept=accept)
+    top = top or plan_settings(cfg).top
+    rows = [_row(c, why) for c, why in order]
+    width = max(len(r["layout"]) + len(r["recompute"]) for r in rows[:top]) + 2
+    table = "\n".join(f"  {i}. {r['layout'] + ' ' + r['recompute']:<{width}} "
+                      f"{r['step_time_s']:.4g} s  {r['memory_total_bytes'] / GIB:.3g} GiB  "
+                      f"{r['reason']}" for i, r in enumerate(rows[:top], 1))
+    cluster = planning_cluster(cfg)
+    log.info("parallel=auto chose %s on %d rank(s) of %s; top %d:\n%s", rows[0]["layout"],
+             cfg.cluster.world_size, cluster.device.name, top, table)
+    doc = {"auto": True, "chosen": rows[0], "top": rows[:top], "n_candidates": len(rows),
+           "device": cluster.device.name, "memory_limit_bytes": memory_limit(cfg, cluster),
+           "headroom": plan_settings(cfg).headroom, "world_size": cfg.cluster.world_size}
+    out = Path(cfg.run_dir) / "plan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc

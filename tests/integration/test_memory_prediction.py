@@ -1,0 +1,67 @@
+"""Predicted vs measured activation and peak memory on CPU (issue 17, item 4): the planner's
+count of what hpctrain's blocks save (plan.activations) against the ActivationMeter, plus the
+model-state ledger, within 15% for single, dp2 ZeRO-1/3, tp2 and pp2 runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+from hpctrain import tasks
+from hpctrain.metrics.logger import read_jsonl
+from tests.conftest import make_config
+
+SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
+         "logger.progress=plain", "train.steps=1", "train.eval_every=0",
+         "train.global_batch_size=8"]
+LAYOUTS = {"dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
+           "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
+           "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+
+
+def _train_on_rank(overrides: list[str], run_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+
+    cfg = make_config(overrides, run_dir=run_dir)
+    p = cfg.parallel
+    mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
+                      device=torch.device("cpu"))
+    tasks.train_task(cfg, mesh)
+
+
+def _ratios(run_dir: Path) -> tuple[float, float]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mem_activation_bytes"] > 0
+    return summary["mem_activation_ratio"], summary["mem_peak_ratio"]
+
+
+def test_single_process_peak_within_15_percent_and_calibrate_from_it(tmp_path):
+    """Then `task=plan plan.calibrate_from=<that run>` refines achievable_fraction from its
+    metrics.jsonl, so the plan of the same layout predicts the step time it measured."""
+    run = tmp_path / "run"
+    tasks.run(make_config([*SMALL, "train.steps=4"], run_dir=run))
+    for ratio in _ratios(run):
+        assert ratio == pytest.approx(1.0, abs=0.15)
+    steps = [r["step_time_s"] for r in read_jsonl(run / "metrics.jsonl") if r["step"] > 1]
+    plan = tasks.run(make_config([*SMALL, "task=plan", f"plan.calibrate_from={run}"],
+                                 run_dir=tmp_path / "plan"))
+    assert plan["calibration"]["measured_step_time_s"] == pytest.approx(median(steps))
+    assert plan["calibration"]["achievable_fraction"] != pytest.approx(0.7)
+    assert plan["step_time_s"] == pytest.approx(median(steps), rel=0.02)
+    with pytest.raises(ValueError, match="no metrics.jsonl there"):
+        make_config([*SMALL, "task=plan", f"plan.calibrate_from={tmp_path}"], run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_rank_peaks_within_15_percent(world2, tmp_path, name):
+    over = [*SMALL, *LAYOUTS[name], "cluster.procs_per_node=2"]
+    world2.run(_train_on_rank, over, str(tmp_path))
+    for ratio in _ratios(tmp_path):
+        assert ratio == pytest.approx(1.0, abs=0.15), name
