@@ -1,9 +1,9 @@
 """Set-up of one rank: the model for this layout and its `ParallelState`, built once.
 
 Order matters and lives only here: build the model (or, with pp > 1, the pipeline's stages),
-shard it over tp, wrap it for activation checkpointing, move it to the device, then build the
-data-parallel engine over the finished parameters (the engine flattens them), and finally
-derive the shard spec from the plan, the stages and the engine
+shard it over tp, wrap it for activation checkpointing, compile it (train.compile), move it to
+the device, then build the data-parallel engine over the finished parameters (the engine
+flattens them), and finally derive the shard spec from the plan, the stages and the engine
 (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
 the result; nothing is attached to the model or the optimizer.
 """
@@ -14,6 +14,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.models.compile import apply_compile
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
@@ -39,6 +40,7 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
         # cp > 1: attention over the cp ring (or all-gathered key/value shards)
         apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        apply_compile(model, cfg.train.compile, attention=cfg.model.attention)
         model.to(mesh.device)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
     # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
