@@ -9,6 +9,8 @@
              (model + data-parallel engine, bf16, no checkpoint) with each backend: the median
              MFU, tokens/s and step time after --skip (2) warm-up steps, as the trainer
              computes them.
+  compile    eager bf16 vs train.compile=blocks bf16 on the ~1B Llama: tokens/s, MFU, compile
+             time and the speed-up (bench_compile.py).
 
 --dry-run: CPU, tiny sizes (fp64 attention; model=debug), to keep the script working without a
 GPU. Sections to add later (fp8, compile) follow the same shape: a function in SECTIONS.
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout
 
 from bench_attention import attention_flops, make_docs  # noqa: E402
+from bench_compile import section_compile  # noqa: E402
 
 from hpctrain.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 
@@ -165,6 +168,7 @@ def _init_single_process(device: torch.device) -> None:
 
 
 SECTIONS = {"attention": section_attention, "mfu": section_mfu}
+SECTIONS["compile"] = section_compile  # eager vs train.compile=blocks (bench_compile.py)
 
 
 def _markdown(rows: list[dict]) -> str:
@@ -188,8 +192,8 @@ def main(argv=None) -> None:
     p.add_argument("--doc-mean", type=float, default=1024.0)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--steps", type=int, default=8, help="mfu: trainer steps per backend")
-    p.add_argument("--skip", type=int, default=2, help="mfu: warm-up steps left out")
+    p.add_argument("--steps", type=int, default=8, help="mfu, compile: trainer steps per run")
+    p.add_argument("--skip", type=int, default=2, help="mfu, compile: warm-up steps left out")
     args = p.parse_args(argv)
     # flex compiles per shape; past the default 8 graphs torch would silently run it unfused.
     torch._dynamo.config.recompile_limit = 64
