@@ -24,4 +24,7 @@ def check_cp(c: Config) -> list[str]:
         errs.append(f"parallel.cp={p.cp} with train.activation_checkpointing="
                     f"{c.train.activation_checkpointing} is not implemented yet: set "
                     "train.activation_checkpointing=none")
+    if c.train.compile != "none":  # ring attention's p2p inside the blocks: not tried yet
+        errs.append(f"parallel.cp={p.cp} with train.compile={c.train.compile} is not "
+                    "implemented yet: set train.compile=none")
     return errs

@@ -105,3 +105,8 @@ def test_no_recompilation_after_the_second_step(plain):
 def test_compile_mode_is_a_checked_choice():
     with pytest.raises(ValueError, match="did you mean train.compile=blocks"):
         make_config(["train.compile=block"])
+
+
+def test_compile_with_context_parallelism_is_refused():
+    with pytest.raises(ValueError, match="parallel.cp=2 with train.compile=blocks"):
+        make_config(["parallel.cp=2", "train.compile=blocks", "cluster.procs_per_node=2"])
