@@ -121,7 +121,7 @@ class CompileWatch:
         yield
         self.steps += 1
         now = compile_stats()
-        if self.steps == self.warm_steps:
+        if self.steps == self.warm_steps and now.graphs > self.start.graphs:
             log.info("compiled %d graph(s) in %.1f s", now.graphs - self.start.graphs,
                      now.seconds - self.start.seconds)
         new = now.graphs - before.graphs
