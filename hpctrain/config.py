@@ -91,6 +91,9 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 on CPU: allow_slow_precision
     allow_slow_precision: bool = False
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # torch.compile: each transformer block on its own (one graph shared by identical blocks),
+    # or the whole forward (hpctrain.models.compile). Compile time is in summary.json.
+    compile: Literal["none", "blocks", "model"] = "none"
     grad_clip: float = 1.0
     log_every: int = 10
     eval_every: int = 50

@@ -12,6 +12,8 @@
   fp8        the same ~1B Llama with sdpa in bf16 and bf16 + FP8 linears (train.fp8), eager and
              (when train.compile exists) with compiled blocks: tokens/s, MFU against the
              dense bf16 peak, speed-up over eager bf16.
+  compile    eager bf16 vs train.compile=blocks bf16 on the ~1B Llama: tokens/s, MFU, compile
+             time and the speed-up (bench_compile.py).
 
 --dry-run: CPU, tiny sizes (fp64 attention; model=debug), to keep the script working without a
 GPU. Sections to add later (fp8, compile) follow the same shape: a function in SECTIONS.
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout
 
 from bench_attention import attention_flops, make_docs  # noqa: E402
+from bench_compile import section_compile  # noqa: E402
 
 from hpctrain.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 
@@ -207,7 +210,8 @@ def _init_single_process(device: torch.device) -> None:
                             world_size=1, timeout=datetime.timedelta(seconds=300))
 
 
-SECTIONS = {"attention": section_attention, "mfu": section_mfu, "fp8": section_fp8}
+SECTIONS = {"attention": section_attention, "mfu": section_mfu, "fp8": section_fp8,
+            "compile": section_compile}
 
 
 def _markdown(rows: list[dict]) -> str:
@@ -231,8 +235,8 @@ def main(argv=None) -> None:
     p.add_argument("--doc-mean", type=float, default=1024.0)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--steps", type=int, default=8, help="mfu: trainer steps per backend")
-    p.add_argument("--skip", type=int, default=2, help="mfu: warm-up steps left out")
+    p.add_argument("--steps", type=int, default=8, help="mfu, compile: trainer steps per run")
+    p.add_argument("--skip", type=int, default=2, help="mfu, compile: warm-up steps left out")
     args = p.parse_args(argv)
     # flex compiles per shape; past the default 8 graphs torch would silently run it unfused.
     torch._dynamo.config.recompile_limit = 64

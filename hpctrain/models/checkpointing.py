@@ -25,7 +25,7 @@ so recomputing it would rerun the ring to free almost nothing.
 
 from __future__ import annotations
 
-import functools
+import types
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -33,9 +33,15 @@ from torch.utils.checkpoint import checkpoint
 MODES = ("none", "selective", "full")
 
 
+def _recomputed_forward(module: nn.Module, *args, **kwargs):
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
+
+
 def recompute_in_backward(module: nn.Module) -> None:
-    """Make `module(...)` keep only its inputs and rerun its forward during backward."""
-    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+    """Make `module(...)` keep only its inputs and rerun its class's forward during backward.
+    A method bound to one shared function, not a per-module partial: torch.compile guards a
+    partial on its identity, so each block would compile its own graph (train.compile)."""
+    module.forward = types.MethodType(_recomputed_forward, module)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.models.compile import apply_compile
 from hpctrain.parallel.context.apply import apply_to_stages
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
@@ -78,6 +79,7 @@ class PipelineEngine:
         apply_to_stages(self.local, self.cp_comm, transport=p.cp_comm)
         # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
         apply_activation_checkpointing(self.local, t.activation_checkpointing)
+        apply_compile(self.local, t.compile, attention=cfg.model.attention)  # after both
         s2r = self.schedule.stage_to_rank
         self.tied: TiedEmbeddings | None = None
         if cfg.model.tied_embeddings:

@@ -2,10 +2,11 @@
 
 Order matters and lives only here: build the model (or, with pp > 1, the pipeline's stages),
 shard its routed experts over ep, shard it over tp (which then sees the experts' final
-parameters, kept whole on every tp rank), wrap it for activation checkpointing, move it to the
-device, then build the data-parallel engine over the finished parameters (the engine
-flattens them; expert parameters get their own units over the ranks holding the same experts),
-and finally derive the shard spec from the plan, the stages and the engine
+parameters, kept whole on every tp rank), make its linears FP8 (train.fp8), wrap it for
+activation checkpointing, compile it (train.compile), move it to the device, then build the
+data-parallel engine over the finished parameters (the engine flattens them; expert parameters
+get their own units over the ranks holding the same experts), and finally derive the shard spec
+from the plan, the stages and the engine
 (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
 the result; nothing is attached to the model or the optimizer.
 """
@@ -16,6 +17,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.models.compile import apply_compile
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
@@ -47,6 +49,7 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
         # cp > 1: attention over the cp ring (or all-gathered key/value shards)
         apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        apply_compile(model, cfg.train.compile, attention=cfg.model.attention)
         model.to(mesh.device)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
     # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under

@@ -28,6 +28,7 @@ from hpctrain.metrics.activations import ActivationMeter
 from hpctrain.metrics.moe import drop_moe_metrics, moe_metrics
 from hpctrain.metrics.plot import plot_run
 from hpctrain.metrics.throughput import batch_counts, flops_utilization, peak_bf16_flops
+from hpctrain.models.compile import CompileWatch
 from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
@@ -87,6 +88,7 @@ class Trainer:
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
         self.stop_requested = stop_requested
         self.prediction = prediction if prediction is not None else NoPrediction()
+        self.compile_watch = CompileWatch()  # train.compile: compile time, recompilations
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -202,7 +204,8 @@ class Trainer:
         with self._profiler() as prof:
             while self.step < t.steps:
                 self.mesh.heartbeat.step(self.step)  # the hang watchdog times each step
-                metrics = self.train_one()
+                with self.compile_watch.step():
+                    metrics = self.train_one()
                 self.history.append(metrics)
                 self.steps_run += 1
                 if not self._judge(metrics, loggers):
@@ -305,6 +308,8 @@ class Trainer:
         mem = self.memory_metrics()
         extra.update(peak_memory_bytes=mem["mem_bytes"], device=device_name(self.mesh.device),
                      world_size=self.mesh.dims.world_size, completed_steps=self.step)
+        if self.cfg.train.compile != "none":
+            extra.update(self.compile_watch.summary())
         plot = plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
         extra["plot"] = str(plot) if plot else None
         summary = summarize(list(self.history), cfg=self.cfg, run_dir=self.run_dir, extra=extra,

@@ -35,3 +35,8 @@ def test_gpu_benchmark_dry_run_writes_every_section(tmp_path):
     assert fp8[True]["tokens_per_s"] > 0 and fp8[False]["tokens_per_s"] > 0, fp8
     assert "skipped" in (tmp_path / "tests_gpu.txt").read_text()
     assert (tmp_path / "attention.md").exists() and (tmp_path / "env.txt").exists()
+    rows = json.loads((tmp_path / "compile.json").read_text())["rows"]
+    compiled = {r["compile"]: r for r in rows}
+    assert compiled["none"]["tokens_per_s"] > 0 and compiled["blocks"]["tokens_per_s"] > 0
+    assert compiled["blocks"]["compiled_graphs"] >= 1, compiled["blocks"]
+    assert compiled["blocks"]["recompiles_after_warmup"] == 0, compiled["blocks"]

@@ -7,6 +7,9 @@ parallelism `gather_seq` all-gathers x_BlD → x_BLD forward and reduce-scatters
 `reduce_scatter_seq` is its conjugate. `gather_last` / `split_last` do the same along the last
 dim without reduction (split's conjugate is a gather, gather's is a split).
 Every op takes its group explicitly and is the identity when the group has one rank.
+Under torch.compile (train.compile) every op runs outside the graph: `_eager` makes each call
+one clean graph break, found once at trace time, instead of dynamo trying (and failing) to
+trace the autograd functions' side effects (the byte counter).
 
 Bytes sent per rank follow the ring algorithms (what NCCL's bus bandwidth assumes): an
 all-reduce of n bytes sends 2(p−1)/p·n, an all-gather producing n bytes sends (p−1)/p·n and a
@@ -43,6 +46,7 @@ class CommCounter:
 
 
 _size, _rank = group_size, group_rank  # short names for the many call sites below
+_eager = torch.compiler.disable  # see the module docstring
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -141,16 +145,19 @@ class _ScatterDim(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group, ctx.counter), None, None, None, None
 
 
+@_eager
 def copy_to_tp(x: torch.Tensor, *, group, counter: CommCounter | None = None) -> torch.Tensor:
     """f: y = x; ∂L/∂x = Σ_tp ∂L/∂y (each rank's branch contributes a partial gradient)."""
     return x if _size(group) == 1 else _CopyToTP.apply(x, group, counter)
 
 
+@_eager
 def reduce_from_tp(x: torch.Tensor, *, group, counter: CommCounter | None = None) -> torch.Tensor:
     """g: y = Σ_tp x; ∂L/∂x = ∂L/∂y."""
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group, counter)
 
 
+@_eager
 def gather_seq(x_BlD: torch.Tensor, *, group, counter: CommCounter | None = None):
     """x_BlD → x_BLD (all-gather along the sequence); backward reduce-scatters ∂L/∂x_BLD."""
     if _size(group) == 1:
@@ -158,6 +165,7 @@ def gather_seq(x_BlD: torch.Tensor, *, group, counter: CommCounter | None = None
     return _GatherDim.apply(x_BlD, SEQ_DIM, True, group, counter)
 
 
+@_eager
 def reduce_scatter_seq(x_BLD: torch.Tensor, *, group, counter: CommCounter | None = None):
     """x_BLD (partial sums) → Σ_tp x, this rank's sequence shard x_BlD; backward all-gathers."""
     if _size(group) == 1:
@@ -165,6 +173,7 @@ def reduce_scatter_seq(x_BLD: torch.Tensor, *, group, counter: CommCounter | Non
     return _ScatterDim.apply(x_BLD, SEQ_DIM, True, group, counter)
 
 
+@_eager
 def scatter_seq(x_BLD: torch.Tensor, *, group, counter: CommCounter | None = None):
     """x_BLD (replicated) → this rank's shard x_BlD (no communication); backward all-gathers."""
     if _size(group) == 1:
@@ -172,6 +181,7 @@ def scatter_seq(x_BLD: torch.Tensor, *, group, counter: CommCounter | None = Non
     return _ScatterDim.apply(x_BLD, SEQ_DIM, False, group, counter)
 
 
+@_eager
 def gather_last(x: torch.Tensor, *, group, counter: CommCounter | None = None) -> torch.Tensor:
     """[..., n/tp] → [..., n] (all-gather along the last dim); backward takes this rank's slice."""
     if _size(group) == 1:
@@ -179,6 +189,7 @@ def gather_last(x: torch.Tensor, *, group, counter: CommCounter | None = None) -
     return _GatherDim.apply(x, x.dim() - 1, False, group, counter)
 
 
+@_eager
 def split_last(x: torch.Tensor, *, group, counter: CommCounter | None = None) -> torch.Tensor:
     """[..., n] → this rank's [..., n/tp] slice; backward all-gathers the gradient."""
     if _size(group) == 1:
