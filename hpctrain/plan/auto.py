@@ -85,9 +85,10 @@ def with_layout(cfg: Config, c: Candidate) -> Config:
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
-def candidates(cfg: Config) -> list[Candidate]:
+def candidates(cfg: Config, *, accept: Accept | None = None) -> list[Candidate]:
     """Every layout of the job's ranks, scored, fitting ones fastest first (`search_layouts`),
-    `fits` judged against the usable memory (limit less headroom)."""
+    `fits` judged against the usable memory (limit less headroom). The five fastest that
+    `accept` takes (no problems) are simulated exactly; slower ones keep their lower bound."""
     cluster, t, settings = planning_cluster(cfg), cfg.train, plan_settings(cfg)
     usable = _usable(cfg, cluster)
     budget = cluster.with_(device=dataclasses.replace(cluster.device, memory_bytes=int(usable)))
@@ -97,7 +98,8 @@ def candidates(cfg: Config) -> list[Candidate]:
         micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, precision=t.precision,
         schedules=list(settings.schedules), zero_stages=list(settings.zero_stages),
         dp_overlap=settings.dp_overlap,
-        context_parallel=[d for d in range(1, n + 1) if n % d == 0])
+        context_parallel=[d for d in range(1, n + 1) if n % d == 0], exact_top=settings.top,
+        accept=None if accept is None else (lambda c: not accept(with_layout(cfg, c))))
     if any(c.fits for c in found):
         return found
     kw = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
@@ -112,7 +114,7 @@ def ranked(cfg: Config, *, accept: Accept) -> list[tuple[Candidate, str]]:
     """(candidate, reason) pairs: the chosen one first ('best'), then the rest in search order,
     each saying why it lost: slower (by how much), refused by hpctrain, or does not fit."""
     out, best = [], None
-    for c in candidates(cfg):
+    for c in candidates(cfg, accept=accept):
         if not c.fits:
             out.append((c, c.reason))
             continue
@@ -131,6 +133,8 @@ def _lost(c: Candidate, best: Candidate) -> str:
     """Why a runnable, fitting candidate lost to `best` (the search's order: time, then lower
     ZeRO stage, less recomputation, less memory)."""
     ratio = c.time.step_time_s / best.time.step_time_s
+    if not c.exact:  # pruned by the search: its bound already loses
+        return f"slower: ≥ {ratio:.2f}× best before its pipeline bubble (not simulated)"
     if ratio >= 1.005:
         return f"slower: {ratio:.2f}× best" + _notes(c)
     if c.layout.zero != best.layout.zero:

@@ -8,7 +8,7 @@ carries a one-line reason saying why it is not the winner.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from hpctrain.plan.bubble import in_flight_microbatches
@@ -35,6 +35,7 @@ class Candidate:
     time: StepTime
     fits: bool
     reason: str = ""
+    exact: bool = True  # False: `time` is the bound before the pipeline bubble (pruned)
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,11 +84,13 @@ def enumerate_layouts(
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
-                    attended_per_token: float | None = None, fp8: bool = False) -> Candidate:
+                    attended_per_token: float | None = None, fp8: bool = False,
+                    exact: bool = True) -> Candidate:
     """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
     pipeline simulator); None takes the closed form `in_flight_microbatches`.
     attended_per_token: keys per token under document masks (`plan.time.step_time`).
-    fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies."""
+    fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies.
+    exact=False: the step time without the pipeline's bubble (a lower bound, not simulated)."""
     m = global_batch // (micro_batch_size * layout.dp)
     if in_flight is None:
         in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
@@ -98,8 +101,9 @@ def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_ba
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
                   precision=precision, dp_overlap=dp_overlap,
-                  attended_per_token=attended_per_token, fp8=fp8)
-    return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes))
+                  attended_per_token=attended_per_token, fp8=fp8, pipeline=exact)
+    return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes),
+                     exact=exact or layout.pp == 1)
 
 
 def _reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> str:
@@ -108,7 +112,10 @@ def _reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> str:
                 f"{cluster.device.memory_bytes / GIB:.1f} GiB")
     if c is best:
         return "best"
-    notes = [f"slower: {c.time.step_time_s / best.time.step_time_s:.2f}× best"]
+    ratio = c.time.step_time_s / best.time.step_time_s
+    if not c.exact:
+        return f"slower: ≥ {ratio:.2f}× best before its pipeline bubble (not simulated)"
+    notes = [f"slower: {ratio:.2f}× best"]
     if c.time.bubble_fraction > BUBBLE_NOTE:
         notes.append(f"bubble {c.time.bubble_fraction:.0%}")
     if c.layout.tp > cluster.gpus_per_node:
@@ -127,11 +134,18 @@ def search_layouts(
     zero_stages: Sequence[int] = (0, 1, 2, 3), recomputes: Sequence[str] = RECOMPUTES,
     virtual_stages: Sequence[int] = (2, 4), dp_overlap: float = 0.0,
     attended_per_token: float | None = None, context_parallel: Sequence[int] = (1,),
-    fp8: bool = False,
+    fp8: bool = False, exact_top: int | None = None,
+    accept: Callable[[Candidate], bool] | None = None,
 ) -> list[Candidate]:
     """All valid candidates, fitting ones fastest first, each with its reason (module doc).
     `context_parallel`: cp degrees to try; those not dividing seq_len into 2·cp chunks are
-    dropped."""
+    dropped. With `exact_top`, branch and bound: every candidate is first timed without its
+    pipeline bubble (a lower bound: bubbles and exposed p2p only add), then the fitting ones
+    are simulated in order of that bound until `exact_top` of them (those `accept` takes, if
+    given) are known and the next bound is no faster than the slowest of those; the rest keep
+    their bound (`exact=False`) and are listed after the simulated ones. The winners are the
+    same as simulating everything; the pipeline simulator runs for a few candidates instead
+    of thousands (llama3_70b on 64 H100s: 15 s instead of more than 25 minutes)."""
     if n_devices < 1:
         raise ValueError(f"n_devices={n_devices} must be >= 1")
     layouts = enumerate_layouts(
@@ -143,13 +157,35 @@ def search_layouts(
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
               precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token,
               fp8=fp8)
-    scored = [evaluate_layout(model, cluster, lay, r, **kw) for lay in layouts for r in recomputes]
+    exact = exact_top is None
+    scored = [evaluate_layout(model, cluster, lay, r, **kw, exact=exact)
+              for lay in layouts for r in recomputes]
     order = {r: i for i, r in enumerate(RECOMPUTES)}
-    fitting = sorted((c for c in scored if c.fits), key=lambda c: (
-        c.time.step_time_s, c.layout.zero, order[c.recompute], c.memory.total))
+
+    def rank(c: Candidate):
+        return c.time.step_time_s, c.layout.zero, order[c.recompute], c.memory.total
+
+    fitting = sorted((c for c in scored if c.fits), key=rank)
+    if not exact:
+        fitting = _bound(fitting, exact_top, accept, rank,
+                         lambda c: evaluate_layout(model, cluster, c.layout, c.recompute, **kw))
     rest = sorted((c for c in scored if not c.fits), key=lambda c: c.memory.total)
     best = fitting[0] if fitting else None
     return [_with_reason(c, best, cluster) for c in fitting + rest]
+
+
+def _bound(by_bound: list[Candidate], top: int, accept, rank, simulate) -> list[Candidate]:
+    """Branch and bound over candidates sorted by their lower bound (`search_layouts`)."""
+    done: list[Candidate] = []
+    kept: list[float] = []  # step times of the accepted exact candidates, ascending
+    for i, c in enumerate(by_bound):
+        if len(kept) >= top and c.time.step_time_s >= kept[top - 1]:
+            return sorted(done, key=rank) + by_bound[i:]
+        full = c if c.exact else simulate(c)
+        done.append(full)
+        if accept is None or accept(full):
+            kept = sorted([*kept, full.time.step_time_s])
+    return sorted(done, key=rank)
 
 
 def _with_reason(c: Candidate, best: Candidate | None, cluster: ClusterSpec) -> Candidate:

@@ -140,7 +140,8 @@ def run_plan(cfg: Config) -> dict[str, Any]:
         n = settings.n_devices or cfg.cluster.world_size
         found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings.dp_overlap,
                                schedules=list(settings.schedules),
-                               zero_stages=list(settings.zero_stages), **common)
+                               zero_stages=list(settings.zero_stages),
+                               exact_top=settings.top, **common)
         log.info("best layouts for %d devices:\n%s", n,
                  format_search_table(found, top=settings.top))
         report["search"] = [_candidate_json(c) for c in found]

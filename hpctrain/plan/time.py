@@ -260,6 +260,7 @@ def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     dp_overlap: float = 0.0, attended_per_token: float | None = None, fp8: bool = False,
+    pipeline: bool = True,
 ) -> StepTime:
     """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
 
@@ -269,6 +270,8 @@ def step_time(
     without documents, Σ lᵢ²/Σ lᵢ under document masks.
     fp8: the block linears run in float8 (train.fp8) at the device's FP8 peak; ValueError
     for a device without one.
+    pipeline=False: leave out the bubble and the exposed p2p (no simulation): a lower bound
+    of the step time that the layout search prunes with (`hpctrain.plan.search`).
     """
     if not 0.0 <= dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
@@ -288,7 +291,10 @@ def step_time(
     compute = m * layout.virtual_stages * kernels + head
     tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
     hop = pp_comm_s(model, cluster, layout, **{**kw, "m": 1}) / (2 * layout.virtual_stages)
-    work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
+    if pipeline:
+        work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
+    else:
+        work, bubble, pp = m * layout.virtual_stages * sum(costs), 0.0, 0.0
     cp_traffic = cp_comm_s(model, cluster, layout, **{**kw, "seq_len": seq_len},
                            recompute=recompute)
     cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)

@@ -59,3 +59,29 @@ def test_deep_pipeline_with_few_microbatches_reports_its_bubble(cluster):
 def test_no_valid_layout_gives_empty_list(cluster):
     assert search_layouts(PRESETS["small"], cluster, n_devices=7, global_batch=3,
                           micro_batch_size=1, seq_len=128) == []
+
+
+def test_branch_and_bound_keeps_the_exact_winners(cluster):
+    """exact_top=k simulates only what can still win: the first k (and their order and times)
+    equal the full search's, every pruned candidate's bound is below its simulated time, and
+    an `accept` that refuses the fastest moves the exact set past it."""
+    kw = dict(n_devices=16, global_batch=64, micro_batch_size=1, seq_len=2048,
+              context_parallel=(1, 2))
+    model = PRESETS["llama3_8b"]
+    full = search_layouts(model, cluster, **kw)
+    fast = search_layouts(model, cluster, **kw, exact_top=5)
+    key = [(c.layout, c.recompute, c.time.step_time_s) for c in fast[:5]]
+    assert key == [(c.layout, c.recompute, c.time.step_time_s) for c in full[:5]]
+    assert all(c.exact for c in fast[:5])
+    pruned = [c for c in fast if not c.exact]
+    assert pruned and all(c.layout.pp > 1 and "not simulated" in c.reason for c in pruned)
+    exact_time = {(c.layout, c.recompute): c.time.step_time_s for c in full}
+    assert all(c.time.step_time_s <= exact_time[c.layout, c.recompute] for c in pruned)
+    assert all(c.time.step_time_s >= fast[4].time.step_time_s for c in pruned)
+    refused = {(c.layout, c.recompute) for c in full[:5]}
+    out = search_layouts(model, cluster, **kw, exact_top=5,
+                         accept=lambda c: (c.layout, c.recompute) not in refused)
+    taken = [c for c in out if c.fits and (c.layout, c.recompute) not in refused][:5]
+    assert [(c.layout, c.recompute) for c in taken] == [
+        (c.layout, c.recompute) for c in full if (c.layout, c.recompute) not in refused][:5]
+    assert all(c.exact for c in taken)
