@@ -70,11 +70,13 @@ def predicted_states(cfg: Config) -> ModelStates:
         flat = p.tp == 1 and p.pp == 1
         return rank_state_bytes(cfg.model, layout_of(cfg),
                                 precision=cfg.train.precision if flat else "fp32")
+    shards = p.dp * p.cp  # the engine replicates (and ZeRO shards) over the dp×cp group
     if p.tp == 1 and p.pp == 1:
-        return flat_state_bytes(cfg.model, dp=p.dp, zero=p.zero, precision=cfg.train.precision,
-                                bucket_mb=p.bucket_mb, offload=p.offload)
+        return flat_state_bytes(cfg.model, dp=shards, zero=p.zero,
+                                precision=cfg.train.precision, bucket_mb=p.bucket_mb,
+                                offload=p.offload)
     psi = rank_params(cfg.model, tp=p.tp, pp=p.pp)
-    return model_state_bytes(psi, dp=p.dp, zero=p.zero, precision="fp32", offload=p.offload)
+    return model_state_bytes(psi, dp=shards, zero=p.zero, precision="fp32", offload=p.offload)
 
 
 def predicted_activations(cfg: Config) -> dict[str, float]:

@@ -90,3 +90,21 @@ def test_from_bench_keeps_what_the_file_lacks_from_base(tmp_path):
 def test_from_bench_names_a_missing_file(tmp_path):
     with pytest.raises(ValueError, match="task=bench"):
         calibrated_cluster(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_predicted_states_shard_over_dp_times_cp(tmp_path, pp):
+    """ZeRO shards over the dp×cp group the engine replicates over: dp=1 × cp=2 holds what
+    dp=2 × cp=1 holds (parallel=auto once chose a cp8 layout that the pre-launch check,
+    sharding over dp alone, then refused at 2× its memory)."""
+    from hpctrain.plan.predict import predicted_states
+    from tests.conftest import make_config
+
+    base = ["model=debug", "train=debug", "parallel.zero=1", f"parallel.pp={pp}",
+            f"cluster.procs_per_node={2 * pp}", "train.seq_len=64", "train.global_batch_size=8",
+            "train.micro_batch_size=1"]
+    cp2 = make_config([*base, "parallel.cp=2"], run_dir=tmp_path / "cp")
+    dp2 = make_config([*base, "parallel.dp=2"], run_dir=tmp_path / "dp")
+    one = make_config([*base, f"cluster.procs_per_node={pp}"], run_dir=tmp_path / "one")
+    assert predicted_states(cp2) == predicted_states(dp2)
+    assert predicted_states(cp2).optimizer < predicted_states(one).optimizer
