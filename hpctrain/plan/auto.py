@@ -114,11 +114,12 @@ def ranked(cfg: Config, *, accept: Accept) -> list[tuple[Candidate, str]]:
     """(candidate, reason) pairs: the chosen one first ('best'), then the rest in search order,
     each saying why it lost: slower (by how much), refused by hpctrain, or does not fit."""
     out, best = [], None
-    for c in candidates(cfg, accept=accept):
-        if not c.fits:
-            out.append((c, c.reason))
+    runnable, top = _with_fit_check(cfg, accept), plan_settings(cfg).top
+    for c in candidates(cfg, accept=runnable):
+        if not c.fits or (best is not None and len(out) >= top):
+            out.append((c, c.reason))  # past the listed top: the search's reason, unchecked
             continue
-        problems = accept(with_layout(cfg, c))
+        problems = runnable(with_layout(cfg, c))
         if problems:
             out.append((c, "hpctrain cannot run it: " + problems[0]))
         elif best is None:
@@ -127,6 +128,26 @@ def ranked(cfg: Config, *, accept: Accept) -> list[tuple[Candidate, str]]:
         else:
             out.append((c, _lost(c, best)))
     return out
+
+
+def _with_fit_check(cfg: Config, accept: Accept) -> Accept:
+    """`accept`, then the pre-launch memory check (`fit_problems`' run prediction, which
+    models hpctrain's engine byte for byte; the search's `fits` is the planner's general
+    model): auto never picks a layout that the check before launch would refuse."""
+    limit = memory_limit(cfg, planning_cluster(cfg))
+    usable = None if limit is None else limit * (1 - plan_settings(cfg).headroom)
+
+    def check(candidate_cfg: Config) -> list[str]:
+        problems = accept(candidate_cfg)
+        if problems or usable is None or candidate_cfg.task != "train":
+            return problems
+        need = predicted_peak(candidate_cfg)["total"]
+        if need > usable:
+            return [f"the run prediction needs {need / GIB:.3g} GiB per rank > "
+                    f"{usable / GIB:.3g} GiB usable"]
+        return []
+
+    return check
 
 
 def _lost(c: Candidate, best: Candidate) -> str:
