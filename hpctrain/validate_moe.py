@@ -4,8 +4,9 @@ Expert-parallel ranks are ep consecutive ranks of the dp group (hpctrain.distrib
 so ep must divide dp and the expert count. With tp the dense layers are tensor-parallel and
 the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), which
 needs the replicated sequence (sp=false). With pp the MoE blocks live inside the stages and
-each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime). What is not built yet with experts is refused here,
-naming the fix, never run silently wrong.
+each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime). What is not
+built yet with experts (cp, sp, activation checkpointing) is refused here, naming the fix,
+never run silently wrong.
 """
 
 from __future__ import annotations
