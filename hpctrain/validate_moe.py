@@ -3,8 +3,10 @@
 Expert-parallel ranks are ep consecutive ranks of the dp group (hpctrain.distributed.mesh),
 so ep must divide dp and the expert count. With tp the dense layers are tensor-parallel and
 the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), which
-needs the replicated sequence (sp=false). What is not built yet with experts is refused here,
-naming the fix, never run silently wrong.
+needs the replicated sequence (sp=false). With pp the MoE blocks live inside the stages and
+each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime). What is not
+built yet with experts (cp, sp, activation checkpointing) is refused here, naming the fix,
+never run silently wrong.
 """
 
 from __future__ import annotations
@@ -30,12 +32,10 @@ def check_moe(c: Config) -> list[str]:
                     " ranks live inside the dp group): choose ep dividing dp")
     if c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train":
         return errs  # benchmarks other than bench=train build process groups, never a model
-    todo = {"parallel.pp": p.pp, "parallel.cp": p.cp}
-    for key, value in todo.items():
-        if value > 1:
-            errs.append(f"{key}={value} with model.moe.num_experts={m.num_experts} is not "
-                        f"implemented yet in this version of hpctrain: set {key}=1 (experts "
-                        "compose with dp, ZeRO 0-3, tp without sp and parallel.ep)")
+    if p.cp > 1:
+        errs.append(f"parallel.cp={p.cp} with model.moe.num_experts={m.num_experts} is not "
+                    "implemented yet in this version of hpctrain: set parallel.cp=1 (experts "
+                    "compose with dp, ZeRO 0-3, tp without sp, pp and parallel.ep)")
     if p.tp > 1 and p.sp:
         errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
                     f"{m.num_experts} is not implemented yet (the experts run whole on the "

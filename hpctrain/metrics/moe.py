@@ -16,10 +16,14 @@ tokens over all E experts), so the numbers describe the whole global batch:
   comm_ep_bytes                      bytes this rank sent to other ranks in the experts'
                                      all-to-alls (dispatch + combine, forward + backward),
                                      measured from the split counts (ep > 1 only)
+
+With pipeline stages (`pp_group`) the layer sums add over the pp ranks and the extremes are
+taken over every layer of every stage, so the numbers equal the single process's.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,17 +41,28 @@ def drop_moe_metrics(model: nn.Module) -> None:
     take_all_to_all_bytes(model)
 
 
-def moe_metrics(model: nn.Module, *, group, device: torch.device) -> dict[str, Any]:
-    """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
-    `group` (the dp group): every rank of it calls this after every step."""
-    layers = moe_layers(model)
+def _layer_counts(layers, stats, *, device: torch.device) -> torch.Tensor:
+    """Assignments per expert of each layer, [layers, E] in fp64 ([0, 1] with no layer)."""
     if not layers:
-        return {}
-    stats = take_moe_stats(model)  # in the order of `layers`
-    counts_LE = torch.stack([
+        return torch.zeros(0, 1, dtype=torch.float64, device=device)
+    return torch.stack([
         s.routed_E.cpu() if s.routed_E is not None else torch.zeros(m.moe.num_experts)
         for m, s in zip(layers, stats, strict=True)]).to(device, torch.float64)
-    forwards = max(1, max(s.forwards for s in stats))
+
+
+def moe_metrics(model: nn.Module, *, group, device: torch.device,
+                pp_group=None) -> dict[str, Any]:
+    """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
+    `group` (the dp group): every rank of it calls this after every step. With pipeline
+    stages pass `pp_group` when the model has MoE layers: each rank holds only its stages'
+    layers, so the per-layer sums and extremes are combined over it (every pp rank calls,
+    also one whose stages hold no MoE layer), giving the whole model's numbers."""
+    layers = moe_layers(model)
+    if not layers and group_size(pp_group) == 1:
+        return {}
+    stats = take_moe_stats(model)  # in the order of `layers`
+    counts_LE = _layer_counts(layers, stats, device=device)
+    forwards = max(1, max((s.forwards for s in stats), default=1))
     scalars = torch.tensor([sum(s.kept for s in stats), sum(s.assignments for s in stats),
                             sum(s.aux for s in stats) / forwards,
                             sum(s.z for s in stats) / forwards], dtype=torch.float64,
@@ -57,10 +72,19 @@ def moe_metrics(model: nn.Module, *, group, device: torch.device) -> dict[str, A
         dist.all_reduce(flat, group=group)
         counts_LE, scalars = flat[:-4].view_as(counts_LE), flat[-4:]
         scalars[2:] /= group_size(group)
-    kept, assigned, aux, z = scalars.tolist()
     cv = counts_LE.std(1, correction=0) / counts_LE.mean(1).clamp(min=1e-12)
-    return {"moe_tokens_per_expert_min": int(counts_LE.min()),
-            "moe_tokens_per_expert_max": int(counts_LE.max()),
-            "moe_load_cv": float(cv.mean()), "moe_aux_loss": aux, "moe_z_loss": z,
+    sums = torch.cat([scalars, torch.stack([cv.sum(), torch.tensor(float(len(cv)),
+                                                                   device=device)])])
+    low = counts_LE.min() if layers else torch.tensor(math.inf, device=device)
+    high = counts_LE.max() if layers else torch.tensor(-math.inf, device=device)
+    if group_size(pp_group) > 1:  # the stages' layers: sums add, extremes over all layers
+        low, high = low.to(torch.float64).reshape(1), high.to(torch.float64).reshape(1)
+        dist.all_reduce(sums, group=pp_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=pp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=pp_group)
+    kept, assigned, aux, z, cv_sum, n_layers = sums.tolist()
+    return {"moe_tokens_per_expert_min": int(low.min()),
+            "moe_tokens_per_expert_max": int(high.max()),
+            "moe_load_cv": cv_sum / max(n_layers, 1.0), "moe_aux_loss": aux, "moe_z_loss": z,
             "moe_dropped_fraction": 1.0 - kept / assigned if assigned else 0.0,
             **take_all_to_all_bytes(model)}

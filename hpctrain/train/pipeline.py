@@ -42,6 +42,7 @@ from hpctrain.parallel.context.apply import apply_to_stages
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.fp8 import apply_fp8
+from hpctrain.parallel.moe import apply_expert_parallel
 from hpctrain.parallel.pipeline.actions import Action
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
@@ -70,6 +71,9 @@ class PipelineEngine:
         self.local, self.tp_plan = build_local_stages(
             cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
             seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp)
+        # ep > 1: this rank's E/ep experts of its stages' MoE layers (the router losses are
+        # seeded per stage by the runtime); the engine gets the groups (hpctrain.train.setup)
+        self.experts = apply_expert_parallel(self.local, mesh)
         if t.fp8:  # after tp (specs name its groups), before checkpointing wraps
             apply_fp8(self.local, recipe=t.fp8_recipe, skip=t.fp8_skip)
         self.local.to(mesh.device)

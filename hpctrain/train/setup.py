@@ -38,6 +38,7 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     experts = None
     if pipeline is not None:  # stages built, tp-sharded and given ring attention there
         model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
+        experts = pipeline.experts
     else:
         model = build_model(cfg.model, seed=cfg.train.seed)
         experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts

@@ -47,9 +47,10 @@ def test_checkpoint_at_ep2_resumes_at_ep1(world2, tmp_path):
 
 
 def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world4, tmp_path):
-    """The real Trainer (model=debug_moe, dp=2, ZeRO-1): ep=2, and ep=2 × tp=2 (dense layers
-    tensor-parallel, router and experts whole), follow the ep=1 trajectory (fp32) and log the
-    moe_* metrics and the all-to-all bytes."""
+    """The real Trainer (model=debug_moe, dp=2, ZeRO-1): ep=2, ep=2 × tp=2 (dense layers
+    tensor-parallel, router and experts whole) and ep=2 × pp=2 (MoE blocks in stages) follow
+    the ep=1 trajectory (fp32) and log the moe_* metrics (equal ones at pp=2) and the
+    all-to-all bytes."""
     base = ["parallel.dp=2", "parallel.zero=1"]
     ep1 = world2.run(h.trainer_moe, [*base, "parallel.ep=1"], str(tmp_path / "ep1"))[0]
     ep2 = world2.run(h.trainer_moe, [*base, "parallel.ep=2"], str(tmp_path / "ep2"))[0]
@@ -57,6 +58,13 @@ def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world
                      str(tmp_path / "tp2"))[0]
     for (loss1, norm1, _), (loss2, norm2, _) in zip(ep1, tp2, strict=True):
         assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
+    # ep=2 × pp=2: the router metrics combine the stages' layers to the whole model's
+    pp2 = world4.run(h.trainer_moe, [*base, "parallel.ep=2", "parallel.pp=2"],
+                     str(tmp_path / "pp2"))[0]
+    for (loss1, norm1, m1), (loss2, norm2, m2) in zip(ep1, pp2, strict=True):
+        assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_load_cv"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5), key
     for (loss1, norm1, m1), (loss2, norm2, m2) in zip(ep1, ep2, strict=True):
         assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
         assert "comm_ep_bytes" not in m1 and m2["comm_ep_bytes"] > 0

@@ -105,7 +105,7 @@ def test_layer_matches_per_token_reference_and_records_losses():
     (["model=debug_moe", "parallel.dp=2", "parallel.ep=2", "model.moe.num_experts=3"],
      "divisors of the expert count"),
     (["model=debug_moe", "parallel.dp=1", "parallel.ep=2"], "choose ep dividing dp"),
-    (["model=debug_moe", "parallel.pp=2"], "set parallel.pp=1"),
+    (["model=debug_moe", "parallel.cp=2"], "set parallel.cp=1"),
     (["model=debug_moe", "parallel.tp=2", "parallel.sp=true"], "set parallel.sp=false"),
 ])
 def test_bad_moe_layouts_are_refused_naming_the_fix(overrides, fix):

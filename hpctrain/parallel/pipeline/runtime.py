@@ -10,6 +10,11 @@ The order, the split of the backward and the placement of sends and receives all
                 loss over the whole batch's real tokens.
   B(s, i)       backward of the stash with the stage's WeightGradQueue deferring under tag i:
                 only input gradients (and the non-Linear parameters') are computed now.
+                With MoE blocks in the stage, their router losses (aux + z) of F(s, i) are
+                stashed with the output and seeded here in the same backward call with
+                loss_multiplier / d_i: the weight the single process gives them (the data
+                engine adds them to micro-batch i's loss before its division by d_i), so each
+                stage seeds its own (see "Router losses" below).
   W(s, i)       runs the queued weight gradients of microbatch i.
   BW(s, i)      full backward (nothing deferred).
   SEND_*/RECV_* tagged isend (hpctrain.distributed.comm) / wait on an irecv posted when the step
@@ -22,6 +27,15 @@ The order, the split of the backward and the placement of sends and receives all
 A produced tensor goes to a mailbox keyed (kind, receiving stage, microbatch): a SEND takes it
 from there, or — when the neighbour stage lives on this rank (zbv) — the next F/B does.
 Activations are dropped from the stash as soon as their backward has run.
+
+Router losses: a stage's MoE layers leave aux + z in `MoE.pending_loss` at each training
+forward (hpctrain.models.moe); F takes the stage's sum (`take_router_loss`) and stashes it
+beside the output; B/BW run `autograd.backward([out, r], [g, loss_multiplier / d_i])` — one
+backward over both roots, so gradients are exactly those of (loss_i + r_i) / d_i · multiplier
+of the single process, whatever stage the layer lives on. The router's weight and the
+experts' stacked weights are not hpctrain Linears: their gradients are computed in B, never
+deferred to W (only the split of work changes, not the sums). The reported loss is the LM
+loss alone, as in the data-parallel step; the router losses are reported by the moe metrics.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import torch.distributed as dist
 
 from hpctrain.distributed.comm import Courier, Job, Outbox, message_tag, recv
 from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
+from hpctrain.models.moe import take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
@@ -66,6 +81,7 @@ class _StepState:
     outbox: Outbox  # this step's sends, waited with the mesh's timeout
     inputs: dict = field(default_factory=dict)  # (stage, mb) → stage input
     outputs: dict = field(default_factory=dict)  # (stage, mb) → output (loss on the last stage)
+    router: dict = field(default_factory=dict)  # (stage, mb) → the stage's MoE aux + z loss
     mail: dict = field(default_factory=dict)  # ("F"|"B", receiving stage, mb) → tensor
     posted: dict = field(default_factory=dict)  # message key → (irecv work, buffer), gloo path
     posting: Job | None = None  # the courier's job posting this step's irecvs → `posted`
@@ -178,7 +194,8 @@ class PipelineRuntime:
 
     def _check_drained(self, st: _StepState) -> None:
         queued = {s: len(stage.wgrad_queue) for s, stage in self.local.stages.items()}
-        left = {"stashed activations": len(st.outputs), "undelivered messages": len(st.mail),
+        left = {"stashed activations": len(st.outputs) + len(st.router),
+                "undelivered messages": len(st.mail),
                 "unreceived messages": len(st.posted),
                 "queued weight gradients": sum(queued.values())}
         if any(left.values()):
@@ -205,15 +222,24 @@ class PipelineRuntime:
             st.mail["F", a.stage + 1, a.microbatch] = out.detach()
         if st.train:
             st.inputs[key], st.outputs[key] = x, out
+            router = take_router_loss(stage)  # None without MoE (eval: no_grad, none left)
+            if router is not None:
+                st.router[key] = router
 
     def _backward(self, st: _StepState, a: Action) -> None:
         stage, key = self.local.stages[a.stage], (a.stage, a.microbatch)
         x, out = st.inputs.pop(key), st.outputs.pop(key)
         grad = None if stage.is_last else st.mail.pop(("B", a.stage, a.microbatch))
+        roots, seeds = [out], [grad]
+        router = st.router.pop(key, None)
+        if router is not None:  # weighted as the LM loss of micro-batch i (module docstring)
+            roots.append(router)
+            seeds.append(torch.full_like(router, self.loss_multiplier
+                                         / st.divisors[a.microbatch]))
         queue = stage.wgrad_queue
         queue.deferring, queue.tag = a.kind is K.B, a.microbatch
         try:
-            torch.autograd.backward(out, grad_tensors=grad)
+            torch.autograd.backward(roots, grad_tensors=seeds)
         finally:
             queue.deferring, queue.tag = False, None
         if not stage.is_first:
