@@ -107,6 +107,8 @@ def test_layer_matches_per_token_reference_and_records_losses():
     (["model=debug_moe", "parallel.dp=1", "parallel.ep=2"], "choose ep dividing dp"),
     (["model=debug_moe", "parallel.cp=2"], "set parallel.cp=1"),
     (["model=debug_moe", "parallel.tp=2", "parallel.sp=true"], "set parallel.sp=false"),
+    (["model=debug_moe", "parallel.tp=2", "parallel.pp=2", "cluster.procs_per_node=4",
+      "train.global_batch_size=8", "train.micro_batch_size=1"], "set parallel.tp=1 or"),
 ])
 def test_bad_moe_layouts_are_refused_naming_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):
