@@ -20,9 +20,11 @@ import traceback
 from typing import Any
 
 
-def _die_with_parent() -> None:
-    """Linux: a rank is SIGKILLed when the test process dies (even killed), instead of living
-    on as an orphan that spins in a collective and loads the machine; elsewhere a no-op."""
+def die_with_parent() -> None:
+    """Linux: this process (a rank, or a run a test launched) is SIGKILLed when the test process
+    dies (even killed), instead of living on as an orphan that spins in a collective and loads
+    the machine (a killed pytest once left four 100,000-step runs going for an hour); elsewhere
+    a no-op."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -50,7 +52,7 @@ def _destroy_new_groups(before: set) -> None:
 
 
 def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox) -> None:
-    _die_with_parent()
+    die_with_parent()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.harness import die_with_parent
 
 TIMEOUT_S = 10
 RUN = ["model=debug", "train=debug", "parallel=dp2", "cluster.procs_per_node=2",
@@ -28,7 +29,8 @@ def _start(run_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     return subprocess.Popen([sys.executable, "-m", "hpctrain", *RUN, f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=die_with_parent)  # no orphan if pytest is killed
 
 
 def _beat(run_dir: Path, rank: int) -> dict | None:

@@ -11,6 +11,7 @@ import time
 
 from hpctrain.launch.rundir_lock import LOCK_NAME
 from tests.conftest import ROOT
+from tests.harness import die_with_parent
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.progress=plain",
          "train.eval_every=0"]
@@ -23,7 +24,8 @@ def _cmd(run_dir, *over):
 def test_second_run_on_a_busy_directory_is_refused_then_stale_lock_taken_over(tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen(_cmd(run_dir, "train.steps=100000", "logger.wandb=disabled"),
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             preexec_fn=die_with_parent)  # no orphan if pytest is killed
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / LOCK_NAME).exists() and time.monotonic() < deadline:
