@@ -89,6 +89,7 @@ def test_summary_counts_total_and_active_parameters(tmp_path, caplog):
     import dataclasses
     import logging
 
+    from hpctrain.models import build_model
     from hpctrain.models.config import PRESETS
     from hpctrain.train.outputs import print_summary, summarize
     from tests.conftest import make_config
@@ -99,7 +100,10 @@ def test_summary_counts_total_and_active_parameters(tmp_path, caplog):
     assert dense["params"] == PRESETS["debug"].num_params() and "params_active" not in dense
     moe_cfg = dataclasses.replace(cfg, model=PRESETS["debug_moe"])
     moe = summarize(recs, cfg=moe_cfg, run_dir=tmp_path, extra={})
-    assert (moe["params"], moe["params_active"]) == (193_312, 119_584)  # 4 experts, top 2
+    m = PRESETS["debug_moe"]  # the built model's count; top_k of the routed experts active
+    total = sum(p.numel() for p in build_model(m, seed=0).parameters())
+    idle = m.n_moe_layers * (m.moe.num_experts - m.moe.top_k) * 3 * m.dim * m.expert_ffn_dim
+    assert (moe["params"], moe["params_active"]) == (total, total - idle)
     with caplog.at_level(logging.INFO, logger="hpctrain.train.outputs"):
         print_summary(moe)
     assert "params_active" in caplog.text and "mfu_flops              active" in caplog.text
