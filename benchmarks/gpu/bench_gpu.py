@@ -22,7 +22,6 @@ GPU. Sections to add later (fp8, compile) follow the same shape: a function in S
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout
 
 from bench_attention import attention_flops, make_docs  # noqa: E402
-from bench_compile import section_compile  # noqa: E402
+from bench_compile import init_single_process, section_compile  # noqa: E402
 
 from hpctrain.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 
@@ -134,7 +133,7 @@ def section_mfu(args, device) -> list[dict]:
                 "train.global_batch_size=4", "train.precision=bf16", "data.max_bytes=8000000"]
     over += [f"cluster.device={device.type}", "logger.wandb=disabled", "train.eval_every=0",
              f"train.steps={args.steps}", "train.resume=never"]
-    _init_single_process(device)
+    init_single_process(device)
     rows = []
     for name in _backends(args.dry_run) + (["eager"] if args.dry_run else []):
         row = {"backend": name} | _trainer_row([*over, f"model.attention={name}"], args, device)
@@ -184,7 +183,7 @@ def section_fp8(args, device) -> list[dict]:
     over += ["train.precision=bf16", f"cluster.device={device.type}", "logger.wandb=disabled",
              "train.eval_every=0", f"train.steps={args.steps}", "train.resume=never"]
     compiles = ["none", "blocks"] if "compile" in {f.name for f in fields(TrainConfig)} else [None]
-    _init_single_process(device)
+    init_single_process(device)
     rows = []
     for compile_ in compiles:
         for fp8 in (False, True):
@@ -198,16 +197,6 @@ def section_fp8(args, device) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
-
-
-def _init_single_process(device: torch.device) -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    store = dist.FileStore(tempfile.mktemp(prefix="hpctrain-bench-"), 1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=300))
 
 
 SECTIONS = {"attention": section_attention, "mfu": section_mfu, "fp8": section_fp8,
