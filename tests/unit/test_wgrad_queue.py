@@ -37,20 +37,36 @@ def _grads(fn, x, lin):
 
 
 def test_linear_takes_torchs_node_unless_a_queue_may_defer():
-    """Without a deferring queue the layer uses torch's linear (cheaper autograd node) and
-    gives LinearFunction's gradients; a queue that may defer keeps LinearFunction."""
+    """Without a queue the layer is torch's linear; with a queue that may defer, the hook path
+    (torch's node over a detached weight + a hook on y that computes the weight gradient) —
+    both give LinearFunction's gradients, deferring or not; under saved-tensor hooks
+    (activation checkpointing) or when a cast is due, LinearFunction itself."""
+    from torch.utils.checkpoint import checkpoint
+
     from hpctrain.ops.linear import LinearFunction
 
     torch.manual_seed(0)
     lin = Linear(5, 3).double()
     x = torch.randn(2, 4, 5, dtype=torch.float64)
-    node, gx, gw = _grads(lin, x, lin)
     _, want_x, want_w = _grads(lambda t: LinearFunction.apply(t, lin.weight, None, None), x, lin)
+    node, gx, gw = _grads(lin, x, lin)
     assert "LinearFunction" not in node.name()
     torch.testing.assert_close(gx, want_x, rtol=1e-12, atol=0)
     torch.testing.assert_close(gw, want_w, rtol=1e-12, atol=0)
-    lin.wgrad_queue = WeightGradQueue()
-    assert "LinearFunction" in _grads(lin, x, lin)[0].name()
+    lin.wgrad_queue = queue = WeightGradQueue()
+    for deferring in (False, True):
+        queue.deferring, queue.tag = deferring, 0
+        node, gx, gw = _grads(lin, x, lin)
+        queue.deferring = False
+        assert "LinearFunction" not in node.name()
+        assert (gw is None) == deferring and len(queue) == int(deferring)
+        queue.run_all()
+        torch.testing.assert_close(gx, want_x, rtol=1e-12, atol=0)
+        torch.testing.assert_close(lin.weight.grad, want_w, rtol=1e-12, atol=0)
+    node, *_ = _grads(lambda t: checkpoint(lin, t, use_reentrant=False), x, lin)
+    assert "LinearFunction" in node.name()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 compute dtype: a cast is due
+        assert "LinearFunction" in lin(x.detach().requires_grad_()).grad_fn.name()
     lin.wgrad_queue.may_defer = False
     assert "LinearFunction" not in _grads(lin, x, lin)[0].name()
 
