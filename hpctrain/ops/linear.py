@@ -11,7 +11,8 @@ forward — nothing is recomputed. Two ways, the same products:
                  into `.grad` in place (addmm_). Taken when nothing needs casting and no
                  saved-tensor hooks are active.
   LinearFunction a Python autograd function: used when the hook path cannot be (x needs no
-                 grad, a cast under autocast, or saved-tensor hooks — activation checkpointing
+                 grad, a cast under autocast, inside torch.compile (traced as a graph, where
+                 the hook would break it), or saved-tensor hooks — activation checkpointing
                  recomputes x through save_for_backward, which a hook's own reference to x
                  would defeat: x would stay alive from forward to W).
 
@@ -151,6 +152,8 @@ class _WeightGradHook:
 
 
 def _hook_path_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if torch.compiler.is_compiling():  # compiled blocks (train.compile) keep the traced function
+        return False
     return (x.requires_grad and torch.is_grad_enabled() and weight.requires_grad
             and (bias is None or (bias.requires_grad and bias.dtype == weight.dtype))
             and x.dtype == weight.dtype
