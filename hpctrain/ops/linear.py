@@ -123,8 +123,8 @@ class LinearFunction(torch.autograd.Function):
 
 
 class _WeightGradHook:
-    """The pre-hook on y's autograd node of the hook path: given ∂L/∂y, queue the weight GEMM when the queue is
-    deferring (a B action), else run it now (a full backward)."""
+    """The hook path's pre-hook on y's autograd node: given ∂L/∂y, queue the weight GEMM
+    when the queue is deferring (a B action), else run it now (a full backward)."""
 
     __slots__ = ("x", "weight", "bias", "queue")
 
