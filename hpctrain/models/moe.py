@@ -178,11 +178,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def take_router_loss(model: nn.Module) -> torch.Tensor | None:
+def take_router_loss(model: nn.Module | list[MoE]) -> torch.Tensor | None:
     """Σ of the router losses (aux + z) of the forwards since the last call; None when the
-    model has no MoE layer or none ran with grad enabled."""
+    model has no MoE layer or none ran with grad enabled. Takes the model or its
+    `moe_layers` (a caller that asks per forward keeps the list: walking the modules costs
+    ~50 µs per call at a pipeline stage of 4 blocks)."""
     losses = []
-    for m in moe_layers(model):
+    for m in moe_layers(model) if isinstance(model, nn.Module) else model:
         if m.pending_loss is not None:
             losses.append(m.pending_loss)
             m.pending_loss = None

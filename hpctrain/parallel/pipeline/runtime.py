@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from hpctrain.distributed.comm import Courier, Job, Outbox, message_tag, recv
 from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
-from hpctrain.models.moe import take_router_loss
+from hpctrain.models.moe import moe_layers, take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
@@ -114,6 +114,7 @@ class PipelineRuntime:
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
         self._eval_programs: dict[int, _Program] = {}  # n microbatches → its F path
+        self._moe = {s: moe_layers(stage) for s, stage in local.stages.items()}
         # Only a schedule with split backwards (B, later W) defers weight gradients; the other
         # stages' layers take torch's cheaper linear (hpctrain.ops.linear.linear).
         for s, stage in local.stages.items():
@@ -226,8 +227,8 @@ class PipelineRuntime:
             st.mail["F", a.stage + 1, a.microbatch] = out.detach()
         if st.train:
             st.inputs[key], st.outputs[key] = x, out
-            router = take_router_loss(stage)  # None without MoE (eval: no_grad, none left)
-            if router is not None:
+            router = take_router_loss(self._moe[a.stage]) if self._moe[a.stage] else None
+            if router is not None:  # None without MoE (eval: no_grad, none left)
                 st.router[key] = router
 
     def _backward(self, st: _StepState, a: Action) -> None:
