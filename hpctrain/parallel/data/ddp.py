@@ -159,7 +159,8 @@ class GradReducer:
             buf = buf[lo:hi]
         target = unit.grad_full if unit.grad_full is not None else unit.grad_shard
         if buf.data_ptr() == target.data_ptr():
-            target.div_(divisor)
+            if divisor != 1:  # x / 1 is x: skip a pass over the bucket (dp=1, e.g. pp only)
+                target.div_(divisor)
         else:
             target.copy_(buf.to(acc).div_(divisor))
 
