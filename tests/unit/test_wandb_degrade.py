@@ -34,9 +34,22 @@ def rejecting_server():
     server.shutdown()
 
 
+@pytest.fixture
+def fresh_wandb_service():
+    """wandb-core is one service per process and keeps the WANDB_BASE_URL it started with: a
+    service left by an earlier test (the unreachable case's offline run) would send this
+    test's init to that old server, where it retries until INIT_TIMEOUT_S (30 s) instead of
+    meeting the server under test."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
 @pytest.mark.parametrize("where", ["unreachable", "rejects_key"])
 def test_online_failure_degrades_to_offline(where, rejecting_server, tmp_path, monkeypatch,
-                                            caplog):
+                                            caplog, fresh_wandb_service):
     url = "http://127.0.0.1:9" if where == "unreachable" else rejecting_server
     monkeypatch.setenv("WANDB_API_KEY", "f" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", url)
@@ -48,6 +61,8 @@ def test_online_failure_degrades_to_offline(where, rejecting_server, tmp_path, m
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert ("unreachable" if where == "unreachable" else "online init failed") in caplog.text
+    if where == "rejects_key":  # refused by the server under test, not a timeout elsewhere
+        assert "invalid api key" in caplog.text, caplog.text
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files)
     assert not [p for p in files if b"hf-secret-value" in p.read_bytes()]
