@@ -317,15 +317,21 @@ def report(res: dict, args) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
+def pp_parser(doc: str, *, steps: int) -> argparse.ArgumentParser:
+    """The real-model options (rounds, microbatches, model size), shared with pp_anatomy."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--mb", type=int, default=1, help="microbatch size")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
+    return ap
+
+
+def main() -> None:
+    ap = pp_parser(__doc__, steps=10)
     ap.add_argument("--t-f", type=float, default=0.04)
     ap.add_argument("--t-b", type=float, default=0.04)
     ap.add_argument("--t-w", type=float, default=0.04)

@@ -21,38 +21,22 @@ hpctrain's F includes it: compare the sum F + B(+W) per rank, not F alone.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.distributed as dist
-from bench_pp import SCHEDULES, hp_variant, torch_variant
+from bench_pp import SCHEDULES, hp_variant, pp_parser, torch_variant
 from common import bench_config, median, spawn
 
 from hpctrain.parallel.pipeline.schedules import build_schedule
-from hpctrain.parallel.pipeline.simulate import dependencies
+from hpctrain.parallel.pipeline.simulate import timelines
 
 
 def replay(schedule, durations: list[dict[str, float]]) -> float:
     """Makespan of `schedule` with each compute action lasting its measured duration
     (durations[rank][str(action)]) and zero-cost hops: the simulator's dependency rules."""
-    acts = [[a for a in rank if a.kind.is_compute] for rank in schedule.actions]
-    done, free, nxt = {}, [0.0] * len(acts), [0] * len(acts)
-    while any(nxt[r] < len(acts[r]) for r in range(len(acts))):
-        moved = False
-        for r, rank in enumerate(acts):
-            while nxt[r] < len(rank):
-                a = rank[nxt[r]]
-                deps = dependencies(a, n_stages=schedule.n_stages)
-                if any(d not in done for d in deps):
-                    break
-                free[r] = max([free[r]] + [done[d] for d in deps]) + durations[r][str(a)]
-                kinds = ("B", "W") if a.kind.value == "BW" else (a.kind.value,)
-                done.update({(a.stage, k, a.microbatch): free[r] for k in kinds})
-                nxt[r], moved = nxt[r] + 1, True
-        if not moved:
-            raise RuntimeError(f"{schedule.name}: the replay is stuck (a dependency never ran)")
-    return max(free)
+    ranks = timelines(schedule, lambda rank, a: durations[rank][str(a)])
+    return max(acts[-1][1] for acts in ranks if acts)
 
 
 def _kind(label) -> str:
@@ -120,15 +104,8 @@ def report(res: dict, args) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = pp_parser(__doc__, steps=8)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--mb", type=int, default=1, help="microbatch size")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     print(report(spawn(worker, args), args))
 

@@ -26,6 +26,7 @@ is done; W is assumed to need only the small part of the activations kept for it
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
@@ -98,8 +99,11 @@ def _check_complete(schedule: Schedule) -> None:
                     raise ValueError(f"{schedule.name}: {s}{kind}{i} is {state}")
 
 
-def _run(schedule: Schedule, cost: dict[ActionKind, float], t_comm: float) -> list[list]:
-    """Execute every rank's list in order; raise ValueError on deadlock. Returns timelines."""
+def timelines(schedule: Schedule, duration: Callable[[int, Action], float],
+              t_comm: float = 0.0) -> list[list[tuple[float, float, Action]]]:
+    """Execute every rank's list in order under the dependency rules, compute action `a` of
+    rank r lasting `duration(r, a)` (the nominal costs, or a step's measured durations to
+    replay it); raise ValueError on deadlock. Per rank, its (start, end, action) tuples."""
     lists = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
     done: dict[Key, tuple[float, int]] = {}  # key → (finish time, rank)
     free = [0.0] * schedule.n_ranks
@@ -117,7 +121,7 @@ def _run(schedule: Schedule, cost: dict[ActionKind, float], t_comm: float) -> li
                 start = max([free[rank]] + [
                     done[d][0] + (t_comm if done[d][1] != rank else 0.0) for d in deps
                 ])
-                end = start + cost[a.kind]
+                end = start + duration(rank, a)
                 done.update({k: (end, rank) for k in _completes(a)})
                 timeline[rank].append((start, end, a))
                 free[rank], ptr[rank], progress = end, ptr[rank] + 1, True
@@ -133,7 +137,8 @@ def _run(schedule: Schedule, cost: dict[ActionKind, float], t_comm: float) -> li
 def check(schedule: Schedule) -> None:
     """Raise ValueError if an action is missing, duplicated or misplaced, or if it deadlocks."""
     _check_complete(schedule)
-    _run(schedule, {F: 1.0, B: 1.0, W: 1.0, BW: 2.0}, 0.0)
+    unit = {F: 1.0, B: 1.0, W: 1.0, BW: 2.0}
+    timelines(schedule, lambda _rank, a: unit[a.kind])
 
 
 def _peak_activations(acts: list) -> int:
@@ -150,7 +155,7 @@ def simulate(
     """Check, then time the schedule with per-stage costs (see the module docstring)."""
     _check_complete(schedule)
     cost = {F: t_f, B: t_b, W: t_w, BW: t_b + t_w}
-    timeline = _run(schedule, cost, t_comm)
+    timeline = timelines(schedule, lambda _rank, a: cost[a.kind], t_comm)
     makespan = max((acts[-1][1] for acts in timeline if acts), default=0.0)
     cost = max((acts[-1][1] - acts[0][0] for acts in timeline if acts), default=0.0)
     work = schedule.chunks * schedule.n_microbatches * (t_f + t_b + t_w)
