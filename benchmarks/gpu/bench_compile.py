@@ -54,15 +54,22 @@ def measure_trainer(overrides: list[str], device: torch.device, *, steps: int,
     return row | compiled
 
 
-def section_compile(args, device) -> list[dict]:
-    if args.dry_run:
-        over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
+def model_overrides(dry_run: bool, device: torch.device) -> list[str]:
+    """The trained model of the mfu, fp8 and compile sections: a ~1B Llama at L = 4096, 4 rows
+    (the debug model at L = 32 on a CPU dry run); one process, no W&B, no eval, no resume."""
+    if dry_run:
+        size = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
                 "data.max_bytes=200000"]
     else:
-        over = ["model=llama3_1b", "train.seq_len=4096", "train.micro_batch_size=4",
-                "train.global_batch_size=4", "train.precision=bf16", "data.max_bytes=8000000"]
-    over += [f"cluster.device={device.type}", "logger.wandb=disabled", "train.eval_every=0",
-             "train.resume=never", "model.attention=sdpa"]
+        size = ["model=llama3_1b", "train.seq_len=4096", "train.micro_batch_size=4",
+                "train.global_batch_size=4", "data.max_bytes=8000000"]
+    return size + [f"cluster.device={device.type}", "logger.wandb=disabled",
+                   "train.eval_every=0", "train.resume=never"]
+
+
+def section_compile(args, device) -> list[dict]:
+    over = model_overrides(args.dry_run, device) + ["model.attention=sdpa"]
+    over += [] if args.dry_run else ["train.precision=bf16"]
     init_single_process(device)
     rows = []
     for mode in ("none", "blocks"):

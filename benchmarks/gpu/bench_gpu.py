@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout
 
 from bench_attention import attention_flops, make_docs  # noqa: E402
-from bench_compile import init_single_process, section_compile  # noqa: E402
+from bench_compile import init_single_process, model_overrides, section_compile  # noqa: E402
 
 from hpctrain.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 
@@ -125,14 +125,8 @@ def section_attention(args, device) -> list[dict]:
 
 
 def section_mfu(args, device) -> list[dict]:
-    if args.dry_run:
-        over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
-                "data.max_bytes=200000"]
-    else:
-        over = ["model=llama3_1b", "train.seq_len=4096", "train.micro_batch_size=4",
-                "train.global_batch_size=4", "train.precision=bf16", "data.max_bytes=8000000"]
-    over += [f"cluster.device={device.type}", "logger.wandb=disabled", "train.eval_every=0",
-             f"train.steps={args.steps}", "train.resume=never"]
+    over = model_overrides(args.dry_run, device) + [f"train.steps={args.steps}"]
+    over += [] if args.dry_run else ["train.precision=bf16"]
     init_single_process(device)
     rows = []
     for name in _backends(args.dry_run) + (["eager"] if args.dry_run else []):
@@ -173,15 +167,9 @@ def section_fp8(args, device) -> list[dict]:
 
     from hpctrain.config import TrainConfig
 
-    if args.dry_run:
-        over = ["model=debug", "train=debug", "train.seq_len=32", "train.global_batch_size=2",
-                "data.max_bytes=200000"]
-    else:
-        over = ["model=llama3_1b", "model.attention=sdpa", "train.seq_len=4096",
-                "train.micro_batch_size=4", "train.global_batch_size=4",
-                "data.max_bytes=8000000"]
-    over += ["train.precision=bf16", f"cluster.device={device.type}", "logger.wandb=disabled",
-             "train.eval_every=0", f"train.steps={args.steps}", "train.resume=never"]
+    over = model_overrides(args.dry_run, device) + ["train.precision=bf16",
+                                                    f"train.steps={args.steps}"]
+    over += [] if args.dry_run else ["model.attention=sdpa"]
     compiles = ["none", "blocks"] if "compile" in {f.name for f in fields(TrainConfig)} else [None]
     init_single_process(device)
     rows = []
