@@ -8,10 +8,15 @@ talking to each other.
 
 from __future__ import annotations
 
+import logging
 import os
-import re
+import shutil
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+SCONTROL_TIMEOUT_S = 10  # it only expands a string, but a hung Slurm client must not hang startup
 
 
 @dataclass(frozen=True)
@@ -30,18 +35,68 @@ def slurm_port(job_id: str) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist: 'n[1-3,7],gpu[08-09]' → n1 n2 n3 n7 gpu08 gpu09."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
-    return hosts
+    """Every hostname of a Slurm hostlist, in Slurm's order: `scontrol show hostnames` where
+    scontrol is on PATH (Slurm's own reading), `parse_nodelist` otherwise or if it fails."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, check=True, timeout=SCONTROL_TIMEOUT_S).stdout
+            if out.split():
+                return out.split()
+            log.warning("scontrol show hostnames %r printed no host: parsing it here", nodelist)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = (getattr(e, "stderr", None) or str(e)).strip()
+            log.warning("scontrol show hostnames %r failed (%s): parsing it here", nodelist, why)
+    return parse_nodelist(nodelist)
+
+
+def parse_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist without Slurm. Commas outside brackets separate hosts; a bracket
+    holds comma-separated numbers and lo-hi ranges, zero-padded to the width of lo; text may
+    follow a bracket, and several brackets in one name give their cartesian product, the first
+    varying slowest: 'a[01-02]b[1-2],node-[7,9]-ib' → a01b1 a01b2 a02b1 a02b2 node-7-ib node-9-ib.
+    """
+    return [host for name in _split_names(nodelist) for host in _expand_name(name, nodelist)]
+
+
+def _split_names(nodelist: str) -> list[str]:
+    """Split at the commas outside brackets; refuse unbalanced or nested brackets."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"hostlist {nodelist!r} has nested or unmatched brackets at "
+                             f"character {i}: write it as Slurm does, e.g. 'n[1-3,7],gpu[08-09]'")
+        if ch == "," and depth == 0:
+            names.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"hostlist {nodelist!r} has an unclosed '[': close it with ']'")
+    names.append(nodelist[start:])
+    return [n.strip() for n in names if n.strip()]
+
+
+def _expand_name(name: str, nodelist: str) -> list[str]:
+    """One name with zero or more bracket groups → its hosts (first group varies slowest)."""
+    head, bracket, rest = name.partition("[")
+    if not bracket:
+        return [name]
+    ranges, _, tail = rest.partition("]")
+    return [f"{head}{number}{suffix}" for number in _numbers(ranges, nodelist)
+            for suffix in _expand_name(tail, nodelist)]
+
+
+def _numbers(ranges: str, nodelist: str) -> list[str]:
+    """'01-03,7' → 01 02 03 7: each lo-hi range zero-padded to the width of lo."""
+    out = []
+    for part in ranges.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        hi = hi if dash else lo
+        if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+            raise ValueError(f"hostlist {nodelist!r}: [{ranges}] holds {part!r}, not a number "
+                             "or an increasing range lo-hi: use e.g. [01-04,7]")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+    return out
 
 
 def first_host(nodelist: str) -> str:

@@ -9,7 +9,7 @@ import torch
 
 from hpctrain.config import OptimConfig
 from hpctrain.distributed.dims import ParallelDims
-from hpctrain.distributed.env import expand_nodelist, from_environ, slurm_port
+from hpctrain.distributed.env import from_environ, slurm_port
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.train.optim import lr_at
 
@@ -60,11 +60,6 @@ def test_env_from_torchrun_and_slurm():
     assert (sl.rank, sl.local_rank, sl.world_size, sl.master_addr) == (5, 1, 8, "gpu07")
     assert sl.master_port == slurm_port("4242") and 20000 <= sl.master_port < 40000
     assert from_environ({}).source == "single"
-
-
-def test_expand_nodelist():
-    assert expand_nodelist("n[1-3,7],gpu[08-09],login") == [
-        "n1", "n2", "n3", "n7", "gpu08", "gpu09", "login"]
 
 
 def test_summary_medians_skip_only_the_runs_first_two_steps(tmp_path):
