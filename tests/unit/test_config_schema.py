@@ -47,14 +47,22 @@ def _read(path: Path) -> tuple[dict[str, dict], list[str]]:
     return {path.parent.name: raw}, parents
 
 
+def _merge(into: dict, values: dict) -> None:
+    """Deep-merge `values` into `into`, as Hydra merges a defaults list (model.moe key by key)."""
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
 def _inherited(path: Path) -> dict[str, dict]:
     """group → values the options `path` inherits from set (their own parents first)."""
     values: dict[str, dict] = {}
     for parent in _read(path)[1]:
         parent_path = path.parent / f"{parent}.yaml"
         for source in (_inherited(parent_path), _read(parent_path)[0]):
-            for group, keys in source.items():
-                values.setdefault(group, {}).update(keys)
+            _merge(values, {group: dict(keys or {}) for group, keys in source.items()})
     return values
 
 
@@ -65,30 +73,54 @@ def _default_options(conf: Path) -> set[Path]:
             for group, option in entry.items() if group in SCHEMAS}
 
 
+def _nested_schema(cls: type, name: str) -> type | None:
+    """The dataclass of field `name` when it is a nested group (model.moe), else None."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = (field.default_factory() if field.default_factory is not dataclasses.MISSING
+               else field.default)
+    return type(default) if dataclasses.is_dataclass(default) else None
+
+
+def _problems(values: dict, cls: type, *, prefix: str, where: str, base: dict,
+              default_option: bool) -> list[str]:
+    """Unknown keys, restated defaults and (in a group's default option) drift among `values`,
+    the keys of dataclass `cls` at `prefix` (e.g. model.moe); `base`: what the file inherits
+    there. A nested dataclass field is checked key by key, as deep as it goes."""
+    problems, schema = [], defaults_of(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in (values or {}).items():
+        at = f"{where}: {prefix}.{key}={value!r}"
+        if key not in names:
+            problems.append(f"{at} is not a field of {cls.__name__}")
+            continue
+        nested = _nested_schema(cls, key)
+        if nested is not None and isinstance(value, dict):
+            problems += _problems(value, nested, prefix=f"{prefix}.{key}", where=where,
+                                  base=base.get(key) or {}, default_option=default_option)
+            continue
+        if isinstance(value, str) and "${" in value:
+            continue  # computed (resolver, environment), not a restated literal
+        if key in base or key in schema:
+            if _same(value, base[key] if key in base else schema[key]):
+                problems.append(f"{at} restates the default: delete the line")
+        if default_option and key in schema and not _same(value, schema[key]):
+            problems.append(f"{at} in the default option contradicts "
+                            f"{cls.__name__}.{key}={schema[key]!r}: "
+                            "change the dataclass default (drift)")
+    return problems
+
+
 def yaml_problems(conf: Path) -> list[str]:
-    """Every restated default, drifted default-option value and unknown key under `conf`."""
+    """Every restated default, drifted default-option value and unknown key under `conf`,
+    nested groups (model.moe) included."""
     problems, default_options = [], _default_options(conf)
     for path in sorted(p for p in conf.glob("*/*.yaml") if p.parent.name in SCHEMAS):
         inherited = _inherited(path)
         for group, values in _read(path)[0].items():
-            schema = defaults_of(SCHEMAS[group])
-            names = {f.name for f in dataclasses.fields(SCHEMAS[group])}
-            for key, value in (values or {}).items():
-                where = f"{path.relative_to(conf)}: {group}.{key}={value!r}"
-                if key not in names:
-                    problems.append(f"{where} is not a field of {SCHEMAS[group].__name__}")
-                    continue
-                if isinstance(value, str) and "${" in value:
-                    continue  # computed (resolver, environment), not a restated literal
-                base = inherited.get(group, {})
-                if key in base or key in schema:
-                    default = base[key] if key in base else schema[key]
-                    if _same(value, default):
-                        problems.append(f"{where} restates the default: delete the line")
-                if path in default_options and key in schema and not _same(value, schema[key]):
-                    problems.append(f"{where} in the default option contradicts "
-                                    f"{SCHEMAS[group].__name__}.{key}={schema[key]!r}: "
-                                    "change the dataclass default (drift)")
+            problems += _problems(values, SCHEMAS[group], prefix=group,
+                                  where=str(path.relative_to(conf)),
+                                  base=inherited.get(group, {}),
+                                  default_option=path in default_options)
     return problems
 
 
@@ -97,7 +129,8 @@ def test_yaml_holds_only_differences_from_the_schema():
 
 
 def test_restated_and_drifted_values_are_found(tmp_path):
-    """The check itself can fail: a restated key, a drifted default, a typo."""
+    """The check itself can fail: a restated key, a drifted default, a typo, and the same
+    inside a nested group (model.moe)."""
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     with (conf / "train" / "default.yaml").open("a") as f:
@@ -106,13 +139,17 @@ def test_restated_and_drifted_values_are_found(tmp_path):
         f.write("stpes: 3\n")
     with (conf / "cluster" / "slurm_local.yaml").open("a") as f:
         f.write("  launcher: slurm\n")  # what cluster/slurm.yaml (its parent) already sets
+    with (conf / "model" / "debug_moe.yaml").open("a") as f:
+        f.write("  top_k: 2\n  tpo_k: 3\n")  # inside its `moe:` block, the file's last
     found = "\n".join(yaml_problems(conf))
     assert "train/default.yaml: train.steps=200 restates the default" in found
     assert "train.eval_every=100 in the default option contradicts" in found
     assert "TrainConfig.eval_every=50" in found
     assert "train.stpes=3 is not a field of TrainConfig" in found
     assert "cluster/slurm_local.yaml: cluster.launcher='slurm' restates" in found
-    assert len(yaml_problems(conf)) == 4
+    assert "model/debug_moe.yaml: model.moe.top_k=2 restates the default" in found
+    assert "model.moe.tpo_k=3 is not a field of MoEConfig" in found
+    assert len(yaml_problems(conf)) == 6
 
 
 @pytest.mark.parametrize("group", sorted(set(SCHEMAS) - {"plan", "simulate"}))
