@@ -14,8 +14,8 @@ W per output row for the forward, per input column for grad-input; dy per token 
 grad-input, per output feature for grad-weight), so a row's outlier only coarsens its own row.
 The quantized value is q = cast(clamp(t·scale, ±max)); the GEMM is
 (q_a · scale_a⁻¹) @ (q_b · scale_b⁻¹) with fp32 accumulation, which is exactly what
-`torch._scaled_mm` computes on CPU in torch 2.13 (checked: bit-identical to that fp32
-emulation, `emulated_mm`), and what it computes with FP8 tensor cores on Hopper.
+`emulated_mm` computes (hpctrain's path on CPU, see `scaled_mm`), and what `torch._scaled_mm`
+computes with FP8 tensor cores on Hopper (and on CPU, to fp32 rounding).
 
 Tensor parallelism (`Fp8Spec.sharded`): a scale must be what the single process would compute,
 so an amax taken over a tensor (tensorwise) or along an axis (rowwise) that is split across the
@@ -99,9 +99,19 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None, group=None
 
 
 def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (M×K) @ b (K×N) in float8 with fp32 accumulation, scaled back: `torch._scaled_mm`.
-    Operand layouts as cuBLAS wants them (a row-major, b column-major); rowwise `inv`s are
-    (M, 1) and (1, N)."""
+    """a (M×K) @ b (K×N) in float8 with fp32 accumulation, scaled back. On an accelerator
+    `torch._scaled_mm` (FP8 tensor cores); on CPU the fp32 emulation, which no CPU loses by
+    (none has float8 units): on x86 CPUs with AMX or avx512_bf16 torch's CPU `_scaled_mm`
+    takes a fused oneDNN kernel ~800× slower (4.7 s against 6 ms for one 512² product; a tiny
+    model's first FP8 step took 134 s) and one fp32 ulp from the emulation."""
+    if a.q.device.type == "cpu":
+        return emulated_mm(a, b, out_dtype=out_dtype)
+    return torch_scaled_mm(a, b, out_dtype=out_dtype)
+
+
+def torch_scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """`torch._scaled_mm` on the operands, laid out as cuBLAS wants them (a row-major, b
+    column-major); rowwise `inv`s are (M, 1) and (1, N)."""
     b_q = b.q.t().contiguous().t()
     return torch._scaled_mm(a.q.contiguous(), b_q, scale_a=_dense(a.inv), scale_b=_dense(b.inv),
                             out_dtype=out_dtype)

@@ -72,6 +72,24 @@ def test_gemms_equal_emulation_to_fp32_rounding(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torch_scaled_mm_equals_the_cpu_emulation_to_fp32_rounding(recipe):
+    """hpctrain runs FP8 GEMMs on CPU through the emulation; torch's own `_scaled_mm` (the
+    accelerator path) computes the same product to fp32 rounding (small: on AMX CPUs it is
+    ~800x slower)."""
+    from hpctrain.ops.fp8 import emulated_mm, quantize, torch_scaled_mm
+
+    x, w, _, _ = _data()
+    axis = -1 if recipe == "rowwise" else None
+    a = quantize(x.reshape(T, I), torch.float8_e4m3fn, dim=axis)
+    b = quantize(w, torch.float8_e4m3fn, dim=axis)
+    bt = b.t()
+    got = torch_scaled_mm(a, bt, out_dtype=torch.float32)
+    _assert_fp32_rounding_apart(got, a.q.float() * a.inv, (b.q.float() * b.inv).t())
+    assert torch.equal(emulated_mm(a, bt, out_dtype=torch.float32),
+                       (a.q.float() * a.inv) @ (b.q.float() * b.inv).t())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_deferred_weight_grad_equals_immediate(recipe):
     x, w, _, dy = _data()
     w_now, w_later = w.clone().requires_grad_(), w.clone().requires_grad_()
