@@ -5,6 +5,9 @@ Model states, Ψ = parameters on this rank's (tp, pp) shard, Nd = dp (Rajbhandar
   fp32:                         params 4Ψ, grads 4Ψ, optimizer 8Ψ  (m, v; no master copy)
   ZeRO stage ≥ 1 divides the optimizer term by Nd, ≥ 2 also grads, 3 also params.
   offload='cpu' moves the optimizer term to host memory (reported as `host`).
+  An asynchronous checkpoint stages one host copy of the rank's own shard of the fp32 masters
+  and both moments, 12 bytes per owned parameter in any precision (reported as `staging`,
+  host memory, not in the device total: hpctrain.train.checkpointer).
 
 Activations per transformer layer, in bytes, for s·b tokens of width h, a heads, tp = t
 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", Table 2):
@@ -69,7 +72,8 @@ class ModelStates:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Device bytes per rank; `host` is offloaded optimizer state (not in `total`)."""
+    """Device bytes per rank; `host` is offloaded optimizer state and `staging` an async
+    checkpoint's host copy of the rank's shard (neither in `total`)."""
 
     params: float
     grads: float
@@ -77,6 +81,7 @@ class MemoryBreakdown:
     activations: float
     buffers: float
     host: float = 0.0
+    staging: float = 0.0
 
     @property
     def total(self) -> float:
@@ -196,6 +201,18 @@ def rank_state_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -
                        states.optimizer + ex.optimizer, host=states.host + ex.host)
 
 
+def checkpoint_staging_bytes(model: Shape, layout: Layout) -> float:
+    """Host bytes an asynchronous save stages on the busiest rank: its own shard of the fp32
+    masters and both AdamW moments, 12 bytes per owned parameter — dense Ψ over the dp×cp
+    shards, routed experts over the (dp/ep)·cp ranks holding them; all of it at zero 0."""
+    def share(psi: float, shards: int) -> float:
+        return 12.0 * psi / (shards if layout.zero >= 1 else 1)
+
+    psi = rank_params(model, tp=layout.tp, pp=layout.pp)
+    psi_e = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
+    return share(psi, layout.dp * layout.cp) + share(psi_e, layout.dp // layout.ep * layout.cp)
+
+
 def fp8_buffer_bytes(model: Shape, layout: Layout, *, in_flight: int, recompute: str) -> float:
     """FP8 linears (train.fp8) save a float8 copy of each block weight for backward, 1 byte per
     parameter, per in-flight microbatch (only the recomputed layer's under full recompute).
@@ -210,9 +227,11 @@ def fp8_buffer_bytes(model: Shape, layout: Layout, *, in_flight: int, recompute:
 def memory_breakdown(
     model: Shape, layout: Layout, *, seq_len: int, micro_batch_size: int, in_flight: int,
     recompute: str = "none", precision: str = "bf16", fp8: bool = False,
+    checkpoint_async: bool = True,
 ) -> MemoryBreakdown:
     """Bytes on the busiest rank of `layout` (see the module docstring for every term);
-    `fp8` adds the float8 weight copies of FP8 linears to the buffers (`fp8_buffer_bytes`).
+    `fp8` adds the float8 weight copies of FP8 linears to the buffers (`fp8_buffer_bytes`);
+    `checkpoint_async` the staging copy of asynchronous saves (`checkpoint_staging_bytes`).
 
     `in_flight`: (microbatch, chunk) activation sets alive at the peak; take it from the
     pipeline simulator, or `bubble.in_flight_microbatches` for the closed form (1 for pp=1).
@@ -231,4 +250,5 @@ def memory_breakdown(
             fp8_buffer_bytes(model, layout, in_flight=in_flight, recompute=recompute)
             if fp8 else 0.0),
         host=states.host,
+        staging=checkpoint_staging_bytes(model, layout) if checkpoint_async else 0.0,
     )

@@ -40,7 +40,7 @@ def plan_report(
                              attended_per_token=attended_per_token, fp8=fp8)
     mem, t = scored.memory, scored.time
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
-    memory.update(total=mem.total, host=mem.host)
+    memory.update(total=mem.total, host=mem.host, staging=mem.staging)
     inputs = {
         "model": asdict(model), "cluster": asdict(cluster), "layout": asdict(layout),
         "global_batch": global_batch, "micro_batch_size": micro_batch_size,

@@ -94,6 +94,20 @@ def test_breakdown_zero3_dp8_shrinks_states_adds_prefetch_buffer():
     assert z3.fits(80 * 2**30)
 
 
+def test_async_checkpoint_stages_the_rank_shard_on_the_host():
+    """12 bytes (fp32 master + m + v) per parameter the rank owns, in any precision; off the
+    device total; none with synchronous saves."""
+    m = PRESETS["llama3_8b"]
+    kw = dict(seq_len=4096, micro_batch_size=1, in_flight=1)
+    z1 = memory_breakdown(m, Layout(dp=8, zero=1, tp=2, pp=2), **kw)
+    assert z1.staging == pytest.approx(12 * rank_params(m, tp=2, pp=2) / 8)
+    z0 = memory_breakdown(m, Layout(dp=8, tp=2, pp=2), precision="fp32", **kw)
+    assert z0.staging == pytest.approx(12 * rank_params(m, tp=2, pp=2))
+    sync = memory_breakdown(m, Layout(dp=8, zero=1), checkpoint_async=False, **kw)
+    assert sync.staging == 0 and sync.total == memory_breakdown(m, Layout(dp=8, zero=1),
+                                                                  **kw).total
+
+
 def test_in_flight_scales_activations_and_must_be_positive():
     m = PRESETS["medium"]
     kw = dict(seq_len=2048, micro_batch_size=1)
