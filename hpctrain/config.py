@@ -99,6 +99,11 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 100  # every N steps (and at the end); 0: only at the end
+    # Saves write each rank's own shards (hpctrain.train.ckpt_writer); async: staged to host
+    # memory and written in the background while training continues (false: the step waits).
+    checkpoint_async: bool = True
+    keep: int = 2  # newest verified checkpoints kept (0: all)
+    keep_every: int = 0  # every checkpoint at a multiple of this step is kept for good (0: none)
     resume: str = "auto"  # auto (newest verified checkpoint of the run dir) | never | <dir>
     profile: bool = False  # torch.profiler Chrome trace of a few steps
     profile_steps: int = 3

@@ -148,6 +148,9 @@ RANGES: dict[str, Range] = {
     "train.eval_batches": positive(f"{_COUNT}, or train.eval_every=0 to skip eval"),
     "train.checkpoint_every": at_least(0, "set it to 0 (save at the end only) or a step "
                                           "interval"),
+    "train.keep": at_least(0, "the newest verified checkpoints to keep (0: all), e.g. 2"),
+    "train.keep_every": at_least(0, "set it to 0 (none) or a step interval whose "
+                                    "checkpoints are kept for good, e.g. 1000"),
     "train.profile_steps": positive(f"{_COUNT} (steps traced with train.profile=true)"),
     "train.stop_after": positive(f"{_COUNT}, or null to run all train.steps"),
     "optim.lr": positive("e.g. optim.lr=3e-3"),

@@ -50,6 +50,11 @@ class Mesh:
     # (size 1 at ep = 1), `edp` the same experts (the dp group at ep = 1).
     ep: dist.ProcessGroup | None = None
     edp: dist.ProcessGroup | None = None
+    # The whole world, named: `world` is the default group (the training thread's agreements);
+    # `io` is a second, gloo group over the same ranks for checkpoint writes on a background
+    # thread (hpctrain.train.ckpt_writer), so their collectives never interleave with training's.
+    world: dist.ProcessGroup | None = None
+    io: dist.ProcessGroup | None = None
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         """The group along `axis`: of size 1 when the axis has degree 1 (callers skip their
@@ -95,6 +100,9 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
     elif dims.cp > 1:
         mesh.dp_cp = mesh.groups["cp"]
     _expert_groups(mesh, timeout)
+    mesh.world = dist.group.WORLD
+    mesh.io = dist.new_group(list(range(dims.world_size)), timeout=timeout, backend="gloo",
+                             group_desc="io")
     return mesh
 
 

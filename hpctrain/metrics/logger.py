@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,7 +46,9 @@ class JsonlLogger:
         self.path.write_text("".join(ln + "\n" for ln in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        """Append one record: the step, its metrics and `time` (Unix seconds when logged)."""
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()},
+                  "time": round(time.time(), 3)}
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
 

@@ -57,6 +57,9 @@ class ParamShard:
     unit_offset: int
     dp_shards: tuple[int, ...]
     ep: TpSlice = WHOLE
+    # A copy of a parameter whose original another rank holds (the last pipeline stage's tied
+    # head, summed with the first stage's embedding): checkpoints write the original only.
+    copy: bool = False
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -142,8 +145,10 @@ def _dp_places(engine: DataParallel) -> dict[str, tuple[int, int, tuple[int, ...
 
 
 def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParallelPlan | None,
-               stages: LocalStages | None = None) -> dict[str, ParamShard]:
-    """The spec of every trainable parameter of `model` (see the module docstring). Raises
+               stages: LocalStages | None = None,
+               copies: frozenset[int] = frozenset()) -> dict[str, ParamShard]:
+    """The spec of every trainable parameter of `model` (see the module docstring); `copies`:
+    ids of parameters held as a copy of another rank's (`ParamShard.copy`). Raises
     RuntimeError if the engine does not hold exactly the model's trainable parameters."""
     tp, stage, dp = _tp_slices(model, tp_plan), _stage_of(model, stages), _dp_places(engine)
     ep = _ep_slices(model)
@@ -157,15 +162,15 @@ def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParalle
         unit = engine.units[dp[name][0]]
         shape = tuple(unit.shapes[unit.names.index(name)])  # p itself may be freed (ZeRO-3)
         out[name] = ParamShard(name, shape, tp[id(p)], stage[id(p)], *dp[name],
-                               ep=ep.get(id(p), WHOLE))
+                               ep=ep.get(id(p), WHOLE), copy=id(p) in copies)
     return out
 
 
 def parallel_state(model: nn.Module, *, mesh: Mesh, engine: DataParallel,
                    tp_plan: TensorParallelPlan | None = None, stages: LocalStages | None = None,
-                   runtime: PipelineRuntime | None = None,
-                   cp_comm: RingComm | None = None) -> ParallelState:
+                   runtime: PipelineRuntime | None = None, cp_comm: RingComm | None = None,
+                   copies: frozenset[int] = frozenset()) -> ParallelState:
     """Freeze the built pieces into one ParallelState, deriving the shard spec."""
-    spec = shard_spec(model, engine=engine, tp_plan=tp_plan, stages=stages)
+    spec = shard_spec(model, engine=engine, tp_plan=tp_plan, stages=stages, copies=copies)
     return ParallelState(mesh, model, MappingProxyType(spec), engine, tp_plan, stages, runtime,
                          cp_comm)

@@ -1,14 +1,18 @@
 """Sharded checkpoints in torch.distributed.checkpoint (DCP) format: written atomically,
 verified before anything in them is read, pruned without losing the last good one.
 
-A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/`: DCP shards of the model and optimizer
-(keyed by fully qualified parameter names and holding full, not tp-sliced, tensors — see
-`ckpt_layout` — so a later dp/tp/pp/zero layout can load them), one `rank_XXXXX.pt` per rank
-(RNG and loss-scaler state), `train_state.json` (step, layout) and `manifest.json` (size and
-sha256 of every other file, layout, model shape — see `manifest`). Ranks write into
-`step_XXXXXXXX.partial/` and hash the files they wrote; rank 0 writes the manifest last and
-renames the directory. Only a renamed directory whose manifest verifies is a checkpoint, so a
-crash mid-save, a damaged file or a checkpoint of an older hpctrain is never loaded.
+A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/`: DCP chunks of the model and optimizer
+under the single-process model's names and shapes, each written by the one rank that owns it
+(`ckpt_shards`: its ZeRO shard of its tp/ep slice of its stage, nothing gathered), one
+`rank_XXXXX.pt` per rank (RNG and loss-scaler state), `train_state.json` (step, layout) and
+`manifest.json` (size and sha256 of every other file, layout, model shape — see `manifest`).
+Ranks write into `step_XXXXXXXX.partial/` and hash the files they wrote; rank 0 writes the
+manifest last and renames the directory (`ckpt_writer`, also in the background:
+`checkpointer`). Only a renamed directory whose manifest verifies is a checkpoint, so a crash
+mid-save, a damaged file or a checkpoint of an older hpctrain is never loaded. Loading reads,
+into each rank's own buffers, only the ranges of the stored chunks that overlap what the rank
+owns under the current layout (`ckpt_dcp`), so any dp/tp/pp/cp/ep/ZeRO layout resumes any
+other, and checkpoints written before sharding (one whole tensor per key) load the same way.
 
 Verification is collective when resuming: rank 0 checks the manifest, every rank hashes a share
 of the files and all ranks see every outcome, so every rank loads the same checkpoint. Files are
@@ -20,9 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,18 +32,22 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.parallel.data.state import full_model_state, full_optim_state, load_full_state
+from hpctrain.parallel.data.state import refresh_from_masters
 from hpctrain.parallel.state import ParallelState
 from hpctrain.train import ckpt_catalog as catalog
-from hpctrain.train import ckpt_layout, manifest, safe_dcp
+from hpctrain.train import ckpt_writer, manifest, safe_dcp
+from hpctrain.train.checkpointer import Checkpointer
+from hpctrain.train.ckpt_dcp import ChunkLoadPlanner
+from hpctrain.train.ckpt_shards import Chunk, optimizer_flats, state_path, unit_chunks
+from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.manifest import Unverified, Verified
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LAYOUT_KEYS = ("dp", "cp", "tp", "pp", "ep", "zero")
 _FIX = ("resume from another checkpoint (train.resume=<dir>; train.resume=auto picks the "
         "newest that verifies) or start over with train.resume=never")
 
@@ -156,62 +162,26 @@ def _from_rank0(fn: Callable[[], T]) -> T:
 def save(path: Path, *, parallel: ParallelState, train_state: dict[str, Any],
          rank_state: dict[str, Any], model_config: ModelConfig | None = None,
          keep: int = 2) -> Path:
-    """Collective: every rank calls it at the same step, with its parallel state (the engine's
-    shards are gathered over dp, the spec's tp shards over tp). `train_state` holds "step" and the
-    layout (dp/tp/pp/zero); `model_config` is recorded so another model shape is refused on
-    load. `keep` > 0 verified checkpoints are kept (see `ckpt_catalog.prune`), 0 keeps all."""
-    rank = dist.get_rank()
-    partial = path.with_name(path.name + ".partial")
-    if rank == 0:  # a killed save's leftovers must not end up in this one's manifest
-        shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
-    engine = parallel.engine
-    state = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
-    full = ckpt_layout.to_full(parallel, state)  # tp: collective
-    dcp.save(full, checkpoint_id=str(partial))
-    torch.save({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank:05d}.pt")
-    digests = manifest.digest_files(partial, names=_written_by(partial, rank=rank))
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(digests, gathered, dst=0)
-    if rank == 0:
-        _seal(partial, path, digests=gathered, train_state=train_state, model=model_config)
-        catalog.prune(path.parent, keep=keep, newest=path)
-    dist.barrier()
-    return path
+    """Collective and synchronous: every rank writes its own shards into `path`
+    (`ckpt_writer`; the trainer's saves go through a `Checkpointer`, asynchronous by default).
+    `train_state` holds "step" and the layout (dp/tp/pp/zero); `model_config` is recorded so
+    another model shape is refused on load. `keep` > 0 verified checkpoints are kept (see
+    `ckpt_catalog.prune`), 0 keeps all."""
+    writer = Checkpointer(parallel.mesh, asynchronous=False, retention=Retention(keep=keep))
+    writer.save(Path(path), parallel=parallel, train_state=train_state, rank_state=rank_state,
+                model_config=model_config)
+    return Path(path)
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state()}
-
-
-def _written_by(directory: Path, *, rank: int) -> list[str]:
-    """The files this rank wrote, by DCP's and our naming (`__<rank>_<i>.distcp`, rank 0's
-    `.metadata`, `rank_<rank>.pt`). Rank 0 hashes whatever no rank claims, so a change in
-    DCP's naming costs speed, never correctness."""
-    own = re.compile(rf"^__{rank}_\d+\.distcp$")
-    mine = {f"rank_{rank:05d}.pt", *([".metadata"] if rank == 0 else [])}
-    return [n for n in os.listdir(directory) if n in mine or own.match(n)]
-
-
-def _seal(partial: Path, path: Path, *, digests: list[dict], train_state: dict[str, Any],
-          model: ModelConfig | None) -> None:
-    """Rank 0, after every rank's files are written and hashed: train_state.json, then
-    manifest.json over every file, then the rename that makes the checkpoint visible."""
-    (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
-    files = {name: entry for d in digests for name, entry in d.items()}
-    unclaimed = sorted(set(os.listdir(partial)) - set(files))  # train_state.json, or renamed
-    files.update(manifest.digest_files(partial, names=unclaimed))
-    layout = {k: train_state[k] for k in LAYOUT_KEYS if k in train_state}
-    manifest.write(partial, files=files, step=train_state["step"], layout=layout, model=model)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(partial, path)
-    catalog.remember(path, reason=None)
-
-
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
-    dcp.load(state, storage_reader=safe_dcp.SafeReader(str(path)),
-             planner=safe_dcp.SafePlanner())
+def _dcp_load(chunks: list[Chunk], path: Path) -> None:
+    """Read into `chunks` (views of this rank's buffers) the overlapping ranges of whatever
+    chunks the checkpoint holds; its index is read by `safe_dcp`, no object is unpickled."""
+    try:
+        dcp.load({}, storage_reader=safe_dcp.SafeReader(str(path)),
+                 planner=ChunkLoadPlanner(chunks))
+    except CheckpointException as err:  # raised alike on every rank (DCP agrees on failures)
+        raise ValueError(f"checkpoint {path} verifies but cannot be loaded here "
+                         f"({ckpt_writer.reason(err)}): {_FIX}") from None
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -229,15 +199,12 @@ def load(checkpoint: Verified | Path, *, parallel: ParallelState,
     if model_config is not None:
         _refuse_other_shape(verified, model=model_config)
     rank_state = _agreed(path, read=lambda: _read_rank_state(path))
-    # Full tensors over dp (the engine's state) and over tp (ckpt_layout): read full-size
-    # buffers, slice this rank's tp shard, then keep this rank's dp shard of it.
     engine = parallel.engine
-    current = {"model": full_model_state(engine), "optim": full_optim_state(engine)}
-    state = ckpt_layout.full_template(parallel, current)
-    state["optim"].pop("param_groups", None)
-    _dcp_load(state, path)
-    state = ckpt_layout.to_local(parallel, state, current={})
-    load_full_state(engine, state["model"], state["optim"])
+    step = torch.zeros(())
+    chunks = unit_chunks(parallel, optimizer_flats(parallel), copies=True)
+    chunks.append(Chunk(state_path("step", engine.units[0].names[0]), (), (), step))
+    _dcp_load(chunks, path)
+    refresh_from_masters(engine, steps=int(step))
     train_state = json.loads((path / "train_state.json").read_text())
     torch.set_rng_state(rank_state["rng"]["torch"])
     return train_state, rank_state

@@ -102,18 +102,20 @@ def known_reason(path: Path) -> str | None:
     return None
 
 
-def prune(root: Path, *, keep: int, newest: Path) -> None:
-    """After saving `newest`: keep it, the `keep` newest verified checkpoints, every
-    unverified one (for inspection, and it may be overwritten by a later save at its step)
-    and the newest verified one before each unverified one (the fallback it needs); delete
-    the other verified ones, and `.partial` directories of earlier steps (killed saves).
-    keep=0 keeps everything."""
+def prune(root: Path, *, keep: int, newest: Path, keep_every: int = 0) -> None:
+    """After saving `newest`: keep it, the `keep` newest verified checkpoints, every one at a
+    multiple of `keep_every` steps (kept for good; 0: none), every unverified one (for
+    inspection, and it may be overwritten by a later save at its step) and the newest verified
+    one before each unverified one (the fallback it needs); delete the other verified ones,
+    and `.partial` directories of earlier steps (killed saves). keep=0 keeps everything."""
     if keep <= 0:
         return
     dirs = sorted(p for p in root.iterdir() if NAME.match(p.name))
     reasons = {p: known_reason(p) for p in dirs}
     verified = [p for p in dirs if reasons[p] is None]
     keepers = {newest, *verified[-keep:]}
+    if keep_every > 0:
+        keepers.update(p for p in verified if int(NAME.match(p.name)[1]) % keep_every == 0)
     for suspect in (p for p in dirs if reasons[p] is not None):
         before = [p for p in verified if p.name < suspect.name]
         keepers.update(before[-1:])

@@ -151,6 +151,14 @@ class PipelineEngine:
         return {**axes, "pre_reduce": pre_reduce,
                 "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
 
+    def copies(self) -> frozenset[int]:
+        """ids of the parameters this rank holds as a copy of another rank's: the last stage's
+        tied head when the first stage lives elsewhere (checkpoints write the first's)."""
+        tied = self.tied
+        if tied is None or not tied.split or 0 in self.local.stages:
+            return frozenset()
+        return frozenset({id(tied.weight)})
+
     def eval_loss(self, batches) -> float:
         """Mean loss over every real token of `batches` on all dp ranks, forward only through
         the schedule's own F path (`PipelineRuntime.evaluate`), in chunks of at most m

@@ -65,4 +65,5 @@ def build_parallel_state(cfg: Config, mesh: Mesh, *,
     return parallel_state(model, mesh=mesh, engine=engine, tp_plan=plan,
                           stages=pipeline.local if pipeline is not None else None,
                           runtime=pipeline.runtime if pipeline is not None else None,
-                          cp_comm=cp_comm)
+                          cp_comm=cp_comm,
+                          copies=pipeline.copies() if pipeline is not None else frozenset())

@@ -34,6 +34,8 @@ from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
+from hpctrain.train.checkpointer import Checkpointer
+from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import (
     NoPrediction,
@@ -89,6 +91,8 @@ class Trainer:
         self.stop_requested = stop_requested
         self.prediction = prediction if prediction is not None else NoPrediction()
         self.compile_watch = CompileWatch()  # train.compile: compile time, recompilations
+        self.checkpointer = Checkpointer(mesh, asynchronous=t.checkpoint_async,
+                                         retention=Retention(t.keep, t.keep_every))
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -125,16 +129,22 @@ class Trainer:
                  " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
 
     def save(self) -> Path:
+        """Collective: save this step's checkpoint — started in the background with
+        train.checkpoint_async (`Checkpointer`). A step already saved is not saved again
+        (a stop right after a periodic save)."""
+        path = ckpt.checkpoint_dir(self.run_dir, self.step)
+        if self.checkpointer.last_step == self.step:
+            return path
         p, gbs = self.cfg.parallel, self.cfg.train.global_batch_size
         state = {"step": self.step, "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
                  "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero}
-        path = ckpt.checkpoint_dir(self.run_dir, self.step)
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
-        return ckpt.save(path, parallel=self.parallel, train_state=state,
-                         rank_state={"scaler": self.scaler.state_dict()},
-                         model_config=self.cfg.model)
+        self.checkpointer.save(path, parallel=self.parallel, train_state=state,
+                               rank_state={"scaler": self.scaler.state_dict()},
+                               model_config=self.cfg.model)
+        return path
 
     # -- one step --------------------------------------------------------------------------
     def train_one(self) -> dict[str, Any]:
@@ -219,7 +229,12 @@ class Trainer:
         self.mesh.heartbeat.idle("final checkpoint")
         if self.pipeline is not None and self.cfg.parallel.timeline:
             extra.update(self.pipeline.write_timeline(self.run_dir, step=self.step) or {})
-        extra["checkpoint"] = str(self.save())
+        try:
+            extra["checkpoint"] = str(self.save())
+            self.checkpointer.wait()  # sealed before the run reports it
+        finally:
+            self.checkpointer.close()
+        extra.update(_save_summary(self.checkpointer.records))
         return self._finish(loggers, extra) if logging_rank else {}
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
@@ -264,7 +279,8 @@ class Trainer:
 
     def _last_verified(self) -> ckpt.Verified | None:
         """Collective: the newest verified checkpoint of this run, or None (none, or none
-        verifies)."""
+        verifies); a save in flight is sealed first."""
+        self.checkpointer.wait()
         try:
             return ckpt.agreed_latest(self.run_dir)
         except ValueError:
@@ -297,14 +313,18 @@ class Trainer:
                 eval_loss(self.model, batches, precision=t.precision, dp_group=self.mesh.dp_cp,
                           **self.tp_hooks))
             extra["final_eval_loss"] = metrics["eval_loss"]
+        self.checkpointer.poll()  # a background save that ended: sealed, or its error raised
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
             self.save()
         if loggers is None:
             return
         progress.advance(step - 1)
+        saves = self.checkpointer.finished()
+        metrics.update(_started_save(self.checkpointer, step))
         if (step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics
-                or metrics["nonfinite"]):
-            loggers.log(step, {**metrics, **self.memory_metrics(), **self.prediction.once()})
+                or metrics["nonfinite"] or saves or "ckpt_block_s" in metrics):
+            loggers.log(step, {**metrics, **_save_metrics(saves), **self.memory_metrics(),
+                               **self.prediction.once()})
 
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
         mem = self.memory_metrics()
@@ -336,3 +356,30 @@ class Trainer:
                      schedule=schedule(wait=1, warmup=1, active=self.cfg.train.profile_steps),
                      on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
             yield prof
+
+
+def _started_save(checkpointer: Checkpointer, step: int) -> dict[str, float]:
+    """`ckpt_block_s` of a save started at `step` (none: {})."""
+    last = checkpointer.records[-1] if checkpointer.records else None
+    return {"ckpt_block_s": last["ckpt_block_s"]} if last and last["step"] == step else {}
+
+
+def _save_metrics(saves: list[dict[str, float]]) -> dict[str, float]:
+    """The background half of the newest save that finished (metrics.jsonl keys)."""
+    if not saves:
+        return {}
+    keys = ("ckpt_background_s", "ckpt_bytes", "ckpt_mb_per_s", "ckpt_started_at",
+            "ckpt_sealed_at")
+    return {**{k: saves[-1][k] for k in keys}, "ckpt_saved_step": saves[-1]["step"]}
+
+
+def _save_summary(records: list[dict[str, float]]) -> dict[str, float]:
+    """summary.json's view of the run's saves: how many, the training time they blocked and
+    the background time in all, the last save's bytes (this rank's) and the median MB/s."""
+    done = [r for r in records if "ckpt_background_s" in r]
+    if not done:
+        return {"ckpt_saves": 0}
+    rates = sorted(r["ckpt_mb_per_s"] for r in done)
+    return {"ckpt_saves": len(done), "ckpt_block_s": sum(r["ckpt_block_s"] for r in done),
+            "ckpt_background_s": sum(r["ckpt_background_s"] for r in done),
+            "ckpt_bytes": done[-1]["ckpt_bytes"], "ckpt_mb_per_s": rates[len(rates) // 2]}

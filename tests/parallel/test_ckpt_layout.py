@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.train import checkpoint as ckpt
-from tests.conftest import get_world
+from tests.conftest import ROOT, get_world
 from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory, train_in_world
 
 STOP = 2
+# Written by hpctrain before checkpoints were sharded (6e67b45: full tensors, one chunk per
+# key), by train_in_world at tp=2 with train.stop_after=2.
+BEFORE_SHARDING = ROOT / "tests" / "golden" / "ckpt_before_sharding" / "step_00000002"
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +47,13 @@ def test_pp2_checkpoint_resumes_at_pp1(world2, tmp_path, reference):
     path = _saved(world2, ["parallel=pp2", "parallel.schedule=1f1b"], tmp_path)
     pp1 = get_world(1).run(train_in_world, [f"train.resume={path}"], str(tmp_path / "pp1"))[0]
     assert_trajectory_close(pp1, reference[STOP:])
+
+
+def test_checkpoint_written_before_sharding_resumes_at_tp2_and_dp2_zero3(world2, tmp_path,
+                                                                          reference):
+    resume = f"train.resume={BEFORE_SHARDING}"
+    tp2 = world2.run(train_in_world, ["parallel.tp=2", resume], str(tmp_path / "tp2"))
+    assert_trajectory_close(tp2[0], reference[STOP:])
+    dp2 = world2.run(train_in_world, ["parallel.dp=2", "parallel.zero=3", resume],
+                     str(tmp_path / "dp2"))
+    assert_trajectory_close(dp2[0], reference[STOP:])

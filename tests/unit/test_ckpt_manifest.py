@@ -140,6 +140,16 @@ def test_prune_keeps_keep_verified_and_never_the_just_saved_one_less(tmp_path):
     assert _steps(root) == ["step_00000003", "step_00000004"]
 
 
+def test_keep_every_checkpoints_are_kept_for_good(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 9):
+        fake_checkpoint(root / f"step_{step:08d}", step=step)
+        catalog.prune(root, keep=2, keep_every=3, newest=root / f"step_{step:08d}")
+    assert _steps(root) == ["step_00000003", "step_00000006", "step_00000007", "step_00000008"]
+    catalog.prune(root, keep=1, keep_every=0, newest=root / "step_00000008")  # 0: none kept
+    assert _steps(root) == ["step_00000008"]
+
+
 def test_prune_notices_damage_done_after_it_last_looked(tmp_path):
     """The verification memo is keyed by the files' stat: a changed file is re-verified."""
     root = tmp_path / "checkpoints"

@@ -1,14 +1,12 @@
-"""Full (unsharded) state dicts for DataParallel, keyed by FQN, for DCP checkpoints.
+"""Full (unsharded) state dicts of a DataParallel engine, and refreshing it after a load.
 
-Saving gathers every unit's master / exp_avg / exp_avg_sq shards into full flat tensors and
-cuts them into per-parameter tensors, so a checkpoint is independent of dp and the ZeRO stage:
+`full_model_state` / `full_optim_state` gather every unit's master / exp_avg / exp_avg_sq
+shards into full per-parameter tensors keyed by FQN (one full copy of each tensor on every
+rank): for comparisons in tests and small consolidated exports, never for training saves —
+checkpoints write each rank's own shards (hpctrain.train.ckpt_shards).
 
-  model: {fqn: fp32 master value}      optim: {"state": {fqn: {"step", "exp_avg",
-  "exp_avg_sq"}}}   (the same keys torch's get_state_dict uses for AdamW)
-
-Loading reads full tensors and keeps only the pieces of this rank's shards (layout.owned),
-then refreshes the compute-dtype parameters. Simple and exact; it holds one full copy of each
-tensor on every rank while saving or loading.
+`refresh_from_masters` is what a load does after the optimizer's masters and moments were
+filled in place: set the step count and rebuild the compute-dtype parameters from the masters.
 """
 
 from __future__ import annotations
@@ -60,25 +58,17 @@ def full_optim_state(engine) -> dict:
     return {"state": state}
 
 
-def _scatter(unit: FlatUnit, shard: torch.Tensor, full: dict[str, torch.Tensor]) -> None:
-    shard.zero_()
-    for pc in unit.layout.owned(unit.shard_rank):
-        src = full[unit.names[pc.index]].reshape(-1)[pc.param_offset : pc.param_offset + pc.length]
-        shard[pc.local_offset : pc.local_offset + pc.length].copy_(src)
-
-
 @torch.no_grad()
-def load_full_state(engine, model_sd: dict[str, torch.Tensor], optim_sd: dict) -> None:
+def refresh_from_masters(engine, *, steps: int) -> None:
+    """After the masters and moments of every unit were loaded in place: the optimizer's step
+    count, then the compute-dtype shards and (zero < 3) the full parameters (collective over
+    each unit's group)."""
     opt = engine.optimizer
-    steps = {float(s["step"]) for s in optim_sd["state"].values()}
-    opt.steps = int(steps.pop()) if steps else 0
+    opt.steps = steps
     for unit in engine.units:
-        st = opt.state[unit.index]
-        _scatter(unit, st["master"], model_sd)
-        for k in OPTIM_KEYS:
-            _scatter(unit, st[k], {n: optim_sd["state"][n][k] for n in unit.names})
-        if st["master"] is not unit.shard:
-            unit.shard.copy_(st["master"])
+        master = opt.state[unit.index]["master"]
+        if master is not unit.shard:
+            unit.shard.copy_(master)
         if unit.zero < 3:
             unit.all_gather_params(_group(unit, engine))
         elif unit.gathered:
