@@ -168,4 +168,6 @@ def calibrated_cluster(path: str | Path, *, base: ClusterSpec | None = None) -> 
     changes = {k: v for k, v in dict(intra_node_bw=intra, inter_node_bw=inter,
                                      latency_intra=lat_intra, latency_inter=lat_inter).items()
                if v is not None and v > 0}
+    if intra or inter:  # bus bandwidths as NCCL reached them: no datasheet share on top
+        changes["links"] = "measured"
     return replace(base, **changes)
