@@ -42,10 +42,12 @@ class Source:
     seq_len: int
     stack: Stack
     allowed: Allowed
+    column: str  # the CSV column compared (tests/reference, shared/reference)
+    metric: str = "tflops"  # tflops (executed), model_tflops (Megatron's model FLOPs), time
     attention: str = "eager"
     tied: bool = True
     zero: int = 0
-    metric: str = "tflops"  # tflops (executed), model_tflops (Megatron's model FLOPs), time
+    sp: bool = False  # sequence parallelism where tp > 1
 
 
 @dataclass(frozen=True)
@@ -64,18 +66,19 @@ class Prediction:
 
 SOURCES: dict[str, Source] = {
     "megatron_table1": Source(megatron_a100_cluster, 51200, 2048, NONE,
-                              Allowed((1, 2, 4, 8), ("full",), INTERLEAVING)),
+                              Allowed((1, 2, 4, 8), ("full",), INTERLEAVING),
+                              column="tflops_per_gpu"),
     "korthikanti_full": Source(megatron_a100_cluster, 51200, 2048, NONE,
-                               Allowed((1,), ("full",), INTERLEAVING), metric="time"),
+                               Allowed((1,), ("full",), INTERLEAVING),
+                               column="iter_time_full_recompute_s", metric="time"),
     "korthikanti_selective": Source(megatron_a100_cluster, 51200, 2048, NONE,
-                                    Allowed((1,), ("selective",), INTERLEAVING), metric="time"),
+                                    Allowed((1,), ("selective",), INTERLEAVING),
+                                    column="iter_time_sp_selective_s", metric="time", sp=True),
     "megatron_h100": Source(dgx_h100_cluster, 131072, 4096, MEGATRON_CORE,
                             Allowed((1, 2, 4), ("none", "selective", "full"), INTERLEAVING),
-                            attention="flash", tied=False, zero=1, metric="model_tflops"),
+                            column="tflops_per_gpu", metric="model_tflops", attention="flash",
+                            tied=False, zero=1, sp=True),
 }
-# The CSV column each source compares against (tests/reference, shared/reference).
-PUBLISHED = {"megatron_table1": "tflops_per_gpu", "korthikanti_full": "iter_time_full_recompute_s",
-             "korthikanti_selective": "iter_time_sp_selective_s", "megatron_h100": "tflops_per_gpu"}
 
 
 def predict_row(name: str, row: Mapping[str, str]) -> Prediction:
@@ -89,8 +92,7 @@ def predict_row(name: str, row: Mapping[str, str]) -> Prediction:
                      n_heads=int(row["heads"]), vocab_size=src.vocab, max_seq_len=src.seq_len,
                      tied_embeddings=src.tied, attention=src.attention)
     tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
-    sp = tp > 1 and (name == "korthikanti_selective" or src.stack.tp == "full")
-    layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, sp=sp, zero=src.zero)
+    layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, sp=src.sp and tp > 1, zero=src.zero)
     allowed = src.allowed
     if "micro_batch" in row:  # stated: the only option
         allowed = Allowed((int(row["micro_batch"]),), allowed.recomputes, allowed.virtual_stages)
@@ -101,4 +103,4 @@ def predict_row(name: str, row: Mapping[str, str]) -> Prediction:
     t = found.candidate.time
     value = {"tflops": t.tflops_per_device, "time": t.step_time_s,
              "model_tflops": t.mfu * cluster.device.peak_flops("bf16") / 1e12}[src.metric]
-    return Prediction(published=float(row[PUBLISHED[name]]), predicted=value, assumed=found)
+    return Prediction(published=float(row[src.column]), predicted=value, assumed=found)
