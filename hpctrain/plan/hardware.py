@@ -2,8 +2,11 @@
 
 The datasheet (`hpctrain.metrics.devices`) gives peaks and HBM bandwidth; the time model
 (`hpctrain.plan.kernels`, `hpctrain.plan.time`) needs the share of them that real kernels
-sustain inside a training step. One row per GPU generation, every field from a published
-kernel benchmark, never fitted to a training table:
+sustain inside a training step. One row per GPU generation, every field inside the range a
+published kernel benchmark gives; no per-table or per-row factor. Where the point inside a
+range was picked while looking at a published training table, the entry says so (the GEMM
+shares: A100's against Megatron-LM 2021 Table 1 in issue 17, H100's against the README's H100
+table here), and tests/unit/test_plan_published.py pins the rows so a refit is visible:
 
   gemm          share of the dense bf16 peak a training step's GEMMs sustain (in step:
                 clocks under a node's sustained power draw, GEMMs beside communication
@@ -13,13 +16,14 @@ kernel benchmark, never fitted to a training table:
                 H100 SXM ~80%). gemm / mamf is what a step keeps of a standalone benchmark;
                 the attention shares below are scaled by it.
                 A100: 0.7 (cuBLAS 70–80% of 312 TFLOP/s on Megatron's shapes; the value the
-                planner has used since issue 17). H100/H200: standalone cuBLAS at 8192³ is
-                measured from 518 TFLOP/s (pranjalssh/fast.cu issue 13, CUDA 12.4) to ~720
-                (the fast.cu worklog), 0.52–0.73 of 989, below the 0.80 sweep maximum; times
-                the A100's in-step/standalone ratio (0.7/0.87 = 0.8): 0.42–0.64. 0.5 is in
-                that range; it was chosen after seeing the visible H100 rows (0.45: −8, −4,
-                −16%; 0.55: +8, +14, +2%; 0.5: 0, +4, −7%), so it is the least independent
-                constant here: calibrate it from a run of yours (plan.calibrate_from).
+                planner has used since issue 17, chosen on a 0.7–0.85 grid over Table 1).
+                H100/H200: standalone cuBLAS at 8192³ is measured from 518 TFLOP/s
+                (pranjalssh/fast.cu issue 13, CUDA 12.4) to ~720 (the fast.cu worklog),
+                0.52–0.73 of 989, below the 0.80 sweep maximum; times the A100's
+                in-step/standalone ratio (0.7/0.87 = 0.8): 0.42–0.64. 0.5 is in that range;
+                it was chosen after seeing the visible H100 rows (0.45: −8, −4, −16%; 0.55:
+                +8, +14, +2%; 0.5: 0, +4, −7%), so it is the least independent constant
+                here: calibrate it from a run of yours (plan.calibrate_from).
   attn_fwd/bwd  standalone share of the dense peak a fused (flash) attention kernel reaches,
                 FLOPs counted as its benchmarks count them: forward 4·s·k·d per head,
                 backward 2.5× that (5 matmuls, P recomputed), causal tiles above the diagonal
