@@ -10,9 +10,11 @@ HBM-bound kernels and links are not refined here (a task=bench bench.json does t
 cluster.calibration).
 
   exact         when the plan is the run's layout (same `layout` string) and the caller
-                passes the plan's step-time function: the achievable_fraction at which the
-                current model predicts the measured step time (bisection; the step time falls
-                as the fraction grows), capped at 1
+                passes the plan's step-time function: the GEMM shapes a GPU run timed
+                (measured_gemm_flops, `calibrate.measure_gemm_shapes`) replace the roofline
+                for those shapes (ClusterSpec.gemm_flops: measured rate · gemm/mamf), then the
+                achievable_fraction at which the current model predicts the measured step
+                time (bisection; the step time falls as the fraction grows), capped at 1
   proportional  otherwise, from the logged values: the measured step time less the predicted
                 non-compute part (communication, bubble) is the measured compute time, so
                 achievable_fraction' = achievable_fraction · predicted_compute / (measured −
@@ -56,8 +58,10 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     if predicted is None or not steps:
         raise ValueError(f"{path} has no predicted_* record or no step after the first: "
                          "calibrate from a run of 2 or more steps made by this version")
+    gemms = tuple(tuple(row) for row in predicted.get("measured_gemm_flops", ()))
     return {"measured_step_time_s": statistics.median(steps), "steps": len(steps),
             "device": predicted.get("predicted_device"), "layout": predicted.get("layout"),
+            "gemm_flops": gemms,
             **{k: predicted[k] for k in KEYS}, "fraction": _run_fraction(Path(run_dir))}
 
 
@@ -89,6 +93,7 @@ def refine(cluster: ClusterSpec, run: dict[str, Any], *,
         and run.get("layout") == plan_layout
     if exact:
         before = step_time_of(replace(cluster, achievable_fraction=base))
+        cluster = replace(cluster, gemm_flops=run.get("gemm_flops", ()))  # the run's kernels
         fraction = _solve(step_time_of, cluster, measured)
         after = step_time_of(replace(cluster, achievable_fraction=fraction))
     else:
@@ -96,6 +101,7 @@ def refine(cluster: ClusterSpec, run: dict[str, Any], *,
         fraction, after = _proportional(run, base)
     out = replace(cluster, achievable_fraction=fraction)
     return out, {"device": cluster.device.name, "method": "exact" if exact else "proportional",
+                 "measured_gemm_shapes": len(out.gemm_flops),
                  "achievable_fraction_before": base, "achievable_fraction": fraction,
                  "measured_step_time_s": measured, "predicted_step_time_s": before,
                  "predicted_step_time_after_s": after,

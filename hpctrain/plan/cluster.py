@@ -44,6 +44,13 @@ class ClusterSpec:
     latency_inter: float = 10e-6
     achievable_fraction: float | None = None  # None: the generation's GEMM share
     links: Literal["datasheet", "measured"] = "datasheet"
+    # GEMMs timed on this device (a training run's log, plan.calibrate_from): (precision, M,
+    # K, N, standalone FLOP/s); those shapes run at that rate · gemm/mamf (plan.kernels)
+    gemm_flops: tuple[tuple[str, int, int, int, float], ...] = ()
+
+    def measured_gemms(self, precision: str) -> tuple[tuple[int, int, int, float], ...]:
+        """The (M, K, N, FLOP/s) of `gemm_flops` timed in `precision`."""
+        return tuple(row[1:] for row in self.gemm_flops if row[0] == precision)
 
     def __post_init__(self) -> None:
         if self.achievable_fraction is None:

@@ -68,12 +68,24 @@ class Roofline:
     bytes_per_s: float  # hbm · hbm share; inf when unknown (FLOPs alone)
     attn_fwd: float = math.nan  # peak · attention shares; NaN: same as flops
     attn_bwd: float = math.nan
+    measured: tuple[tuple[int, int, int, float], ...] = ()  # (M, K, N, standalone FLOP/s)
+    in_step: float = 1.0  # achievable_fraction / mamf: what a step keeps of a standalone run
 
     def gemm(self, m: float, n: float, k: float, *, elem: int, count: float = 1.0) -> float:
-        """Seconds of `count` (m×k)·(k×n) GEMMs of `elem`-byte operands."""
+        """Seconds of `count` (m×k)·(k×n) GEMMs of `elem`-byte operands: the roofline, or for
+        a shape timed on this device its measured rate · in_step (the measured kernel already
+        includes its memory traffic)."""
+        measured = self.measured_rate(m, n, k)
+        if measured is not None:
+            return count * 2 * m * n * k / (measured * self.in_step)
         math_s = 2 * m * n * k / self.flops
         memory_s = elem * (m * k + k * n + m * n) / self.bytes_per_s
         return count * max(math_s, memory_s)
+
+    def measured_rate(self, m: float, n: float, k: float) -> float | None:
+        """Standalone FLOP/s measured for (M, K, N) = (m, k, n) on this device, or None."""
+        key = (round(m), round(k), round(n))
+        return next((f for mm, kk, nn, f in self.measured if (mm, kk, nn) == key), None)
 
     def stream(self, nbytes: float) -> float:
         return nbytes / self.bytes_per_s
@@ -87,16 +99,19 @@ class Roofline:
         return flops_fwd / fwd, FLASH_BWD_FLOPS * flops_fwd / bwd
 
 
-def roofline(device, *, precision: str, achievable_fraction: float) -> Roofline:
+def roofline(device, *, precision: str, achievable_fraction: float,
+             measured: tuple[tuple[int, int, int, float], ...] = ()) -> Roofline:
     """The device's Roofline in `precision` (module docstring); the attention and HBM shares
-    from its generation's row (`hpctrain.plan.hardware.kernel_constants`)."""
+    from its generation's row (`hpctrain.plan.hardware.kernel_constants`); `measured`: GEMM
+    shapes (M, K, N) timed on this device and their FLOP/s (ClusterSpec.gemm_flops)."""
     k = kernel_constants(device)
     hbm = getattr(device, "hbm_bandwidth", math.nan)
     bw = hbm * k.hbm if hbm and hbm == hbm else math.inf
     peak = device.peak_flops(precision)
     in_step = achievable_fraction / k.mamf  # what the step keeps of standalone benchmarks
     return Roofline(flops=peak * achievable_fraction, bytes_per_s=bw,
-                    attn_fwd=peak * k.attn_fwd * in_step, attn_bwd=peak * k.attn_bwd * in_step)
+                    attn_fwd=peak * k.attn_fwd * in_step, attn_bwd=peak * k.attn_bwd * in_step,
+                    measured=measured, in_step=in_step)
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,8 @@ def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: in
     """(T_F, T_B, T_W) of one chunk and microbatch with the exposed tp traffic, then the
     chunk's kernel seconds and its exposed tp seconds (module docstring)."""
     r = roofline(cluster.device, precision=precision,
-                 achievable_fraction=cluster.achievable_fraction)
+                 achievable_fraction=cluster.achievable_fraction,
+                 measured=cluster.measured_gemms(precision))
     r8 = roofline(cluster.device, precision="fp8",
                   achievable_fraction=cluster.achievable_fraction) if fp8 else None
     lc = layer_cost(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=layout.tp, sp=layout.sp,
@@ -337,7 +338,8 @@ def step_time(
         model, cluster, layout, mbs=micro_batch_size, seq_len=seq_len // layout.cp, keys=attn,
         recompute=recompute, precision=precision, fp8=fp8, tp_overlap=ov.tp)
     r = roofline(cluster.device, precision=precision,
-                 achievable_fraction=cluster.achievable_fraction)
+                 achievable_fraction=cluster.achievable_fraction,
+                 measured=cluster.measured_gemms(precision))
     mb = dict(mbs=micro_batch_size, seq_len=seq_len // layout.cp, tp=layout.tp)
     head = m * (head_cost(model, r, precision=precision, **mb) + loss_cost(model, r, **mb))
     compute = m * layout.virtual_stages * kernels + head

@@ -7,9 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
+from hpctrain.bench.gemm import model_shapes
 from hpctrain.metrics.devices import DEVICES
+from hpctrain.models.config import PRESETS
 from hpctrain.plan.assume import Allowed, assume_unstated
+from hpctrain.plan.calibrate import measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec, dgx_h100_cluster, megatron_a100_cluster
 from hpctrain.plan.hardware import GENERIC, KERNELS, KernelConstants, kernel_constants
 from hpctrain.plan.kernels import (
@@ -78,6 +82,26 @@ def test_fused_attention_skips_the_causal_upper_tiles_at_the_attention_shares():
     eager_f, eager_b = _attention_core(replace(GPT, attention="eager"), r, mbs=2,
                                        seq_len=4096, keys=4096, tp=2, elem=2)
     assert eager_b == 2 * eager_f and eager_f > fwd  # every score, written and re-read
+
+
+def test_measured_gemm_shapes_replace_the_roofline_for_those_shapes():
+    r = roofline(H100, precision="bf16", achievable_fraction=0.5,
+                 measured=((4096, 2048, 6144, 600e12),))
+    in_step = 0.5 / KERNELS["H100"].mamf
+    flops = 2 * 4096 * 6144 * 2048
+    assert r.gemm(4096, 6144, 2048, elem=2) == pytest.approx(flops / (600e12 * in_step))
+    assert r.gemm(4096, 6144, 4096, elem=2) == pytest.approx(2 * flops / (989e12 * 0.5))
+    c = replace(dgx_h100_cluster(), gemm_flops=(("bf16", 1, 2, 3, 4.0), ("fp32", 5, 6, 7, 8.0)))
+    assert c.measured_gemms("bf16") == ((1, 2, 3, 4.0),)
+
+
+def test_gemm_shapes_are_timed_once_each_on_this_device():
+    model = PRESETS["debug"]
+    rows = measure_gemm_shapes(model, tokens=64, tp=1, precision="fp32",
+                               device=torch.device("cpu"), seconds=0.01)
+    shapes = {s[2:] for s in model_shapes(model, tokens=64, tp=1)}
+    assert {row[1:4] for row in rows} == shapes and len(rows) == len(shapes)
+    assert all(row[0] == "fp32" and row[4] > 0 for row in rows)
 
 
 def test_cross_entropy_streams_fp32_logits():
