@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from hpctrain.plan.hardware import kernel_constants
 from hpctrain.plan.shapes import GPTShape, Shape
 
-HBM_EFFICIENCY = 0.8  # hardware.GENERIC.hbm: devices outside the generation table
 FLASH_BWD_FLOPS = 2.5  # backward / forward FLOPs of a fused attention kernel
 FLASH_TILE = 128  # key block of the fused kernels: diagonal tiles run unmasked
 # Bytes per logit of Megatron's vocab-parallel cross entropy, in fp32 (fp16_lm_cross_entropy
