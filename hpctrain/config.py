@@ -45,7 +45,9 @@ class ClusterConfig:
     accelerator: str | None = None  # a row of hpctrain.metrics.devices, e.g. H100-SXM, H200
     intra_node_gb_s: float = 300.0  # per GPU, one direction (NVLink)
     inter_node_gb_s: float = 200.0  # per node, one direction (all NICs)
-    achievable_fraction: float = 0.7  # share of the dense peak big GEMMs reach (plan.kernels)
+    # Share of the dense peak a step's GEMMs reach (plan.kernels); None: the accelerator's
+    # generation row of hpctrain.plan.hardware (A100 0.7, H100/H200 0.5), 0.7 elsewhere.
+    achievable_fraction: float | None = None
     # A task=bench bench.json (or its run dir): measured GEMM peak and link bandwidths replace
     # the table's and the *_gb_s values above (hpctrain.plan.calibrate).
     calibration: str | None = None

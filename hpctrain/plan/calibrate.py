@@ -18,6 +18,11 @@ Two sources:
   and cross-node pairs; latencies from the p2p half round trips. Whatever a file does not
   measure keeps the value of `base`.
 
+- `measure_gemm_shapes`: on a GPU, each of the model's GEMM shapes (per tp rank) timed once at
+  the start of a training run and logged with its prediction; `plan.calibrate_from` then
+  times those shapes at their measured rate instead of the roofline's
+  (`hpctrain.plan.calibrate_run`).
+
 Without any measured link (single-node CPU runs), links use LOCAL_BW and LOCAL_LATENCY: the
 order of magnitude of gloo over loopback on one machine (a bench=comm run on these CPUs gives
 ~1 GB/s busbw at 16 MiB and tens of µs per small message). Pass a bench file for better ones.
@@ -44,6 +49,7 @@ from hpctrain.plan.cluster import ClusterSpec
 LOCAL_BW = 1e9  # bytes/s, gloo on one machine
 LOCAL_LATENCY = 50e-6  # seconds per message
 MEASURE_SECONDS = 0.2
+SHAPE_SECONDS = 0.05  # per shape of `measure_gemm_shapes` (5 shapes: ~0.3 s at start-up)
 _FIELDS = {"bf16": "bf16_flops", "fp16": "fp16_flops", "tf32": "tf32_flops",
            "fp32": "fp32_flops"}
 
@@ -86,6 +92,17 @@ def measure_device(model, *, tokens: int, tp: int, precision: str, device: torch
                         key=lambda s: s[2] * s[3] * s[4])
     flops = gemm_flops(m, k, n, precision=precision, device=device, seconds=seconds)
     return measured_spec(f"{name} (measured {m}x{k}x{n} {precision} GEMM)", {precision: flops})
+
+
+def measure_gemm_shapes(model, *, tokens: int, tp: int, precision: str, device: torch.device,
+                        seconds: float = SHAPE_SECONDS) -> tuple[tuple, ...]:
+    """(precision, M, K, N, FLOP/s) of each distinct projection and output-head GEMM of one
+    tp rank (`hpctrain.bench.gemm.model_shapes`), each timed for about `seconds`: what a GPU
+    run logs so that plan.calibrate_from can time those shapes as measured
+    (ClusterSpec.gemm_flops)."""
+    shapes = sorted({s[2:] for s in model_shapes(model, tokens=tokens, tp=tp)})
+    return tuple((precision, m, k, n, gemm_flops(m, k, n, precision=precision, device=device,
+                                                 seconds=seconds)) for m, k, n in shapes)
 
 
 def local_cluster(device: DeviceSpec, *, gpus_per_node: int,
@@ -168,4 +185,6 @@ def calibrated_cluster(path: str | Path, *, base: ClusterSpec | None = None) -> 
     changes = {k: v for k, v in dict(intra_node_bw=intra, inter_node_bw=inter,
                                      latency_intra=lat_intra, latency_inter=lat_inter).items()
                if v is not None and v > 0}
+    if intra or inter:  # bus bandwidths as NCCL reached them: no datasheet share on top
+        changes["links"] = "measured"
     return replace(base, **changes)

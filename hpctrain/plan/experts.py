@@ -96,11 +96,11 @@ def a2a_time(nbytes: float, cluster: ClusterSpec, layout: Layout) -> float:
     if ep == 1:
         return 0.0
     if ep * layout.cp * layout.tp <= g:
-        return nbytes / cluster.intra_node_bw + (ep - 1) * cluster.latency_intra
+        return nbytes / cluster.intra_bw + (ep - 1) * cluster.latency_intra
     local = min(ep, max(1, g // (layout.cp * layout.tp)))
     per_peer = nbytes / (ep - 1)
-    on_node = (local - 1) * per_peer / cluster.intra_node_bw
-    off_node = (ep - local) * per_peer / (cluster.inter_node_bw / g)
+    on_node = (local - 1) * per_peer / cluster.intra_bw
+    off_node = (ep - local) * per_peer / (cluster.inter_bw / g)
     return max(on_node, off_node) + (ep - 1) * cluster.latency_inter
 
 

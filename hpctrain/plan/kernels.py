@@ -27,12 +27,19 @@ the weight-gradient GEMMs are the W part, one per projection. Full recomputation
 forward again inside B. Selective recomputation redoes the attention core (softmax, dropout,
 QKᵀ, AV) inside B. Element sizes follow the precision (4 bytes for fp32).
 
-Constants (defaults, both overridable): achievable_fraction (ClusterSpec, 0.7: the share of
-the dense peak that well-shaped fp16/bf16 GEMMs sustain inside a training step; cuBLAS on
-an A100 reaches 70–80% of 312 TFLOP/s on large GEMMs) and HBM_EFFICIENCY = 0.8 (streaming
-kernels reach ~80% of the HBM datasheet rate: ~1.6 of 2.0 TB/s on an A100 in STREAM-like
-copies). A device whose HBM bandwidth is unknown (a CPU measured on the spot) is timed by
-its FLOPs alone.
+Fused attention (sdpa, flash, …; GPTShape(attention="flash") for Transformer Engine runs)
+keeps the scores on chip and skips the tiles above the causal diagonal: forward 4·s·k'·d FLOPs
+per head with k' = `causal_keys` (keys/2 + half a 128-key tile), backward 2.5× that
+(FlashAttention-2 §3.2: five matmuls, P recomputed), at the generation's attention shares.
+The output layer adds the fp32 vocab-parallel cross entropy over its mbs·s·V/t logits,
+CE_BYTES_PER_LOGIT bytes each (`loss_cost`).
+
+Constants, per device generation (`hpctrain.plan.hardware`, each with its source):
+achievable_fraction (ClusterSpec; default the generation's in-step GEMM share: A100 0.7, H100
+and H200 0.5), the fused-attention shares (benchmark shares × gemm/mamf: what a training step
+keeps of a standalone benchmark) and the HBM share (0.8: ~1.6 of 2.0 TB/s on an A100 in
+STREAM-like copies). A device whose HBM bandwidth is unknown (a CPU measured on the spot) is
+timed by its FLOPs alone.
 """
 
 from __future__ import annotations
@@ -40,33 +47,70 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hpctrain.plan.hardware import kernel_constants
 from hpctrain.plan.shapes import GPTShape, Shape
 
-HBM_EFFICIENCY = 0.8
+FLASH_BWD_FLOPS = 2.5  # backward / forward FLOPs of a fused attention kernel
+FLASH_TILE = 128  # key block of the fused kernels: diagonal tiles run unmasked
+# Bytes per logit of Megatron's vocab-parallel cross entropy, in fp32 (fp16_lm_cross_entropy
+# off, its default): forward upcast 2+4, max 4, subtract 4+4, exp 4+4, sum 4, normalise
+# 4+4; backward scale by the loss gradient 4+4, downcast 4+2.
+CE_BYTES_PER_LOGIT = 6 + 4 + 8 + 8 + 4 + 8 + 8 + 6
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """The rates a kernel is timed against: FLOP/s for math, bytes/s for memory traffic."""
+    """The rates a kernel is timed against: FLOP/s for math, bytes/s for memory traffic, and
+    the fused attention kernels' FLOP/s (forward, backward; `hpctrain.plan.hardware`)."""
 
     flops: float  # peak · achievable_fraction
-    bytes_per_s: float  # hbm · HBM_EFFICIENCY; inf when unknown (FLOPs alone)
+    bytes_per_s: float  # hbm · hbm share; inf when unknown (FLOPs alone)
+    attn_fwd: float = math.nan  # peak · attention shares; NaN: same as flops
+    attn_bwd: float = math.nan
+    measured: tuple[tuple[int, int, int, float], ...] = ()  # (M, K, N, standalone FLOP/s)
+    in_step: float = 1.0  # achievable_fraction / mamf: what a step keeps of a standalone run
 
     def gemm(self, m: float, n: float, k: float, *, elem: int, count: float = 1.0) -> float:
-        """Seconds of `count` (m×k)·(k×n) GEMMs of `elem`-byte operands."""
+        """Seconds of `count` (m×k)·(k×n) GEMMs of `elem`-byte operands: the roofline, or for
+        a shape timed on this device its measured rate · in_step (the measured kernel already
+        includes its memory traffic)."""
+        measured = self.measured_rate(m, n, k)
+        if measured is not None:
+            return count * 2 * m * n * k / (measured * self.in_step)
         math_s = 2 * m * n * k / self.flops
         memory_s = elem * (m * k + k * n + m * n) / self.bytes_per_s
         return count * max(math_s, memory_s)
 
+    def measured_rate(self, m: float, n: float, k: float) -> float | None:
+        """Standalone FLOP/s measured for (M, K, N) = (m, k, n) on this device, or None."""
+        key = (round(m), round(k), round(n))
+        return next((f for mm, kk, nn, f in self.measured if (mm, kk, nn) == key), None)
+
     def stream(self, nbytes: float) -> float:
         return nbytes / self.bytes_per_s
 
+    def flash(self, flops_fwd: float) -> tuple[float, float]:
+        """(forward, backward) seconds of a fused attention kernel doing `flops_fwd` in its
+        forward and 2.5× that in its backward (FlashAttention-2 §3.2: five matmuls, P
+        recomputed from the saved log-sum-exp)."""
+        fwd = self.flops if self.attn_fwd != self.attn_fwd else self.attn_fwd
+        bwd = self.flops if self.attn_bwd != self.attn_bwd else self.attn_bwd
+        return flops_fwd / fwd, FLASH_BWD_FLOPS * flops_fwd / bwd
 
-def roofline(device, *, precision: str, achievable_fraction: float) -> Roofline:
-    """The device's Roofline in `precision` (module docstring)."""
+
+def roofline(device, *, precision: str, achievable_fraction: float,
+             measured: tuple[tuple[int, int, int, float], ...] = ()) -> Roofline:
+    """The device's Roofline in `precision` (module docstring); the attention and HBM shares
+    from its generation's row (`hpctrain.plan.hardware.kernel_constants`); `measured`: GEMM
+    shapes (M, K, N) timed on this device and their FLOP/s (ClusterSpec.gemm_flops)."""
+    k = kernel_constants(device)
     hbm = getattr(device, "hbm_bandwidth", math.nan)
-    bw = hbm * HBM_EFFICIENCY if hbm and hbm == hbm else math.inf
-    return Roofline(flops=device.peak_flops(precision) * achievable_fraction, bytes_per_s=bw)
+    bw = hbm * k.hbm if hbm and hbm == hbm else math.inf
+    peak = device.peak_flops(precision)
+    in_step = achievable_fraction / k.mamf  # what the step keeps of standalone benchmarks
+    return Roofline(flops=peak * achievable_fraction, bytes_per_s=bw,
+                    attn_fwd=peak * k.attn_fwd * in_step, attn_bwd=peak * k.attn_bwd * in_step,
+                    measured=measured, in_step=in_step)
 
 
 @dataclass(frozen=True)
@@ -100,18 +144,28 @@ def _projections(model: Shape, r: Roofline, *, tokens: int, tp: int, elem: int) 
             + r.gemm(tokens, d, f / tp, elem=elem))
 
 
+def causal_keys(keys: float) -> float:
+    """Keys per query a causal fused kernel computes: half the attended keys plus half a key
+    tile (the diagonal tiles run whole, those above it are skipped; FlashAttention-2 §3.1.1)."""
+    return min(keys, keys / 2 + FLASH_TILE / 2)
+
+
 def _attention_core(model: Shape, r: Roofline, *, mbs: int, seq_len: int, keys: float, tp: int,
-                    elem: int) -> float:
-    """QKᵀ (s×d)·(d×keys) and AV (s×keys)·(keys×d) per head. Eager attention (GPTShape,
-    attention=eager) writes the scores and runs softmax and dropout over them; a fused backend
-    (sdpa, flash, …) keeps them on chip and is timed by its FLOPs."""
+                    elem: int) -> tuple[float, float]:
+    """(forward, backward) seconds of QKᵀ (s×d)·(d×keys) and AV (s×keys)·(keys×d) per head.
+    Eager attention (GPTShape's default, attention=eager) computes every score, masked or
+    not, writes them and runs softmax and dropout over them; its backward is twice its
+    forward. A fused backend (sdpa, flash, …) keeps the scores on chip and skips the causal
+    mask's upper tiles: 4·s·causal_keys·d FLOPs per head forward, 2.5× that backward, at the
+    generation's attention shares (`Roofline.flash`)."""
     heads, d = mbs * model.n_heads / tp, model.dim // model.n_heads
     if getattr(model, "attention", "eager") != "eager":
-        return 4 * heads * seq_len * keys * d / r.flops
+        return r.flash(4 * heads * seq_len * causal_keys(keys) * d)
     gemms = r.gemm(seq_len, keys, d, elem=elem, count=heads)
     gemms += r.gemm(seq_len, d, keys, elem=elem, count=heads)
     scores = heads * seq_len * keys
-    return gemms + r.stream(scores * (2 * elem + 2 * elem + 1))
+    fwd = gemms + r.stream(scores * (2 * elem + 2 * elem + 1))
+    return fwd, 2 * fwd
 
 
 def layer_cost(model: Shape, r: Roofline, *, mbs: int, seq_len: int, keys: float, tp: int,
@@ -125,11 +179,19 @@ def layer_cost(model: Shape, r: Roofline, *, mbs: int, seq_len: int, keys: float
     per_token = (shared * model.dim / (tp if sp else 1) + 2 * mlp_width(model) / tp) * elem
     proj = (_projections(model, r, tokens=tokens, tp=tp, elem=elem) if fp8 is None
             else _projections(model, fp8, tokens=tokens, tp=tp, elem=1))
-    core = _attention_core(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=tp, elem=elem)
+    core_f, core_b = _attention_core(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=tp,
+                                     elem=elem)
     elementwise = r.stream(tokens * per_token)
-    fwd = proj + core + elementwise
-    redo = {"none": 0.0, "selective": core, "full": fwd}[recompute]
-    return LayerCost(f=fwd, b=redo + proj + 2 * core + 2 * elementwise, w=proj)
+    fwd = proj + core_f + elementwise
+    redo = {"none": 0.0, "selective": core_f, "full": fwd}[recompute]
+    return LayerCost(f=fwd, b=redo + proj + core_b + 2 * elementwise, w=proj)
+
+
+def loss_cost(model: Shape, r: Roofline, *, mbs: int, seq_len: int, tp: int) -> float:
+    """Seconds of the vocab-parallel cross entropy over one microbatch's mbs·s·V/t logits,
+    forward and backward, memory-bound at CE_BYTES_PER_LOGIT (fp32, Megatron-LM's
+    `vocab_parallel_cross_entropy`)."""
+    return r.stream(mbs * seq_len * model.vocab_size / tp * CE_BYTES_PER_LOGIT)
 
 
 def head_cost(model: Shape, r: Roofline, *, mbs: int, seq_len: int, tp: int,

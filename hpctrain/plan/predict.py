@@ -31,7 +31,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.plan.activations import stage_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
-from hpctrain.plan.calibrate import local_cluster, measure_device
+from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import is_moe
 from hpctrain.plan.flat_states import flat_state_bytes
@@ -125,8 +125,10 @@ def predicted_step_time(cfg: Config, cluster: ClusterSpec):
 def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str, Any]:
     """predicted_* metrics for the run: step time, its compute part, the peak it assumed,
     model-state bytes (total and per category), the logging rank's activation bytes and
-    peak (states + activations; `predicted_peak`). Failures are logged, never raised: a
-    planner gap must not stop training."""
+    peak (states + activations; `predicted_peak`); on a GPU also measured_gemm_flops, the
+    model's GEMM shapes timed on it (`calibrate.measure_gemm_shapes`, for
+    plan.calibrate_from). Failures are logged, never raised: a planner gap must not stop
+    training."""
     try:
         states, peak = predicted_states(cfg), predicted_peak(cfg)
         cluster = run_cluster(cfg, device=device)
@@ -143,7 +145,23 @@ def predict_run(cfg: Config, *, device: torch.device | None = None) -> dict[str,
     out.update({f"predicted_{key}": int(getattr(states, name)) for name, key in STATE_KEYS})
     out.update(predicted_mem_activation_bytes=int(peak["logging_rank_activations"]),
                predicted_mem_peak_bytes=int(peak["logging_rank_total"]))
+    if device is not None and device.type == "cuda":  # per-kernel rates for calibrate_from
+        out.update(_measured_gemms(cfg, device))
     return out
+
+
+def _measured_gemms(cfg: Config, device: torch.device) -> dict[str, Any]:
+    """{"measured_gemm_flops": [[precision, M, K, N, FLOP/s], ...]} of this rank's GEMM
+    shapes, or {} (logged) when they cannot be timed."""
+    t = cfg.train
+    try:
+        rows = measure_gemm_shapes(cfg.model, tokens=t.micro_batch_size * t.seq_len
+                                   // cfg.parallel.cp, tp=cfg.parallel.tp,
+                                   precision=t.precision, device=device)
+    except (ValueError, KeyError, RuntimeError, AttributeError) as e:
+        log.warning("GEMM shapes not timed (%s): plan.calibrate_from will use the roofline", e)
+        return {}
+    return {"measured_gemm_flops": [list(row) for row in rows]}
 
 
 def compare(predicted: dict[str, Any], *, step_time_s: float | None,

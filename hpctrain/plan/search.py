@@ -17,6 +17,7 @@ from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
 from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown
 from hpctrain.plan.shapes import Shape
+from hpctrain.plan.stack import NONE, Stack
 from hpctrain.plan.time import StepTime, step_time
 
 GIB = 2**30
@@ -85,12 +86,13 @@ def enumerate_layouts(
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
                     attended_per_token: float | None = None, fp8: bool = False,
-                    exact: bool = True) -> Candidate:
+                    exact: bool = True, ov: Stack = NONE) -> Candidate:
     """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
     pipeline simulator); None takes the closed form `in_flight_microbatches`.
     attended_per_token: keys per token under document masks (`plan.time.step_time`).
     fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies.
-    exact=False: the step time without the pipeline's bubble (a lower bound, not simulated)."""
+    exact=False: the step time without the pipeline's bubble (a lower bound, not simulated).
+    ov: the communication the stack overlaps (`hpctrain.plan.stack`)."""
     m = global_batch // (micro_batch_size * layout.dp)
     if in_flight is None:
         in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
@@ -101,7 +103,7 @@ def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_ba
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
                   precision=precision, dp_overlap=dp_overlap,
-                  attended_per_token=attended_per_token, fp8=fp8, pipeline=exact)
+                  attended_per_token=attended_per_token, fp8=fp8, pipeline=exact, ov=ov)
     return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes),
                      exact=exact or layout.pp == 1)
 

@@ -33,6 +33,9 @@ class GPTShape:
     vocab_size: int
     max_seq_len: int
     tied_embeddings: bool = True
+    # Megatron-LM 2021/2022 ran eager attention (fused scale-mask-softmax over the L×L scores);
+    # its Transformer Engine runs (2023–) a fused flash kernel: attention="flash".
+    attention: str = "eager"
 
     @property
     def n_kv_heads(self) -> int:

@@ -25,6 +25,7 @@ from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
 from hpctrain.plan.search import search_layouts
+from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ class PlanConfig:
     headroom: float = 0.1
     memory_limit_gb: float | None = None
     force: bool = False
-    # A finished training run's dir: its measured step times refine achievable_fraction (and,
-    # without cluster.accelerator, its measured device is the plan's); hpctrain.plan.calibrate_run
+    # A finished training run's dir: its measured step times refine its device's in-step GEMM
+    # (and fused-attention) rate, achievable_fraction, reporting the step-time error before and
+    # after; a plan for another device is refused; without cluster.accelerator its measured
+    # device is the plan's (hpctrain.plan.calibrate_run)
     calibrate_from: str | None = None
 
 
@@ -83,7 +86,8 @@ def cluster_spec(cfg: Config) -> ClusterSpec:
 
 
 def plan_cluster(cfg: Config) -> tuple[ClusterSpec, dict[str, Any] | None]:
-    """`cluster_spec`, refined by plan.calibrate_from when set (with what it changed)."""
+    """`cluster_spec`, refined by plan.calibrate_from when set (with what it changed): exactly,
+    by this plan's step time, when the plan is the run's layout (`calibrate_run.refine`)."""
     source = plan_settings(cfg).calibrate_from
     if source is None:
         return cluster_spec(cfg), None
@@ -94,8 +98,23 @@ def plan_cluster(cfg: Config) -> tuple[ClusterSpec, dict[str, Any] | None]:
                              achievable_fraction=c.achievable_fraction)
     else:
         base = cluster_spec(cfg)
-    cluster, record = refine(base, run)
+    layout = f"{layout_of(cfg).describe()} {cfg.train.activation_checkpointing}"
+    cluster, record = refine(base, run, step_time_of=lambda spec: _step_seconds(cfg, spec),
+                             plan_layout=layout)
     return cluster, {"from": str(source), **record}
+
+
+def _step_seconds(cfg: Config, cluster: ClusterSpec) -> float:
+    """The step time `run_plan` reports for `cfg` on `cluster`."""
+    t, settings = cfg.train, plan_settings(cfg)
+    attended = (None if settings.document_tokens is None
+                else min(settings.document_tokens, t.seq_len))
+    return step_time(cfg.model, cluster, layout=layout_of(cfg),
+                     global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                     seq_len=t.seq_len, recompute=t.activation_checkpointing,
+                     precision=t.precision, dp_overlap=settings.dp_overlap,
+                     attended_per_token=attended,
+                     fp8=t.fp8 and cluster.device.fp8_flops is not None).step_time_s
 
 
 def simulated_in_flight(cfg: Config) -> int:
@@ -132,8 +151,11 @@ def run_plan(cfg: Config) -> dict[str, Any]:
                          dp_overlap=settings.dp_overlap, **common)
     if calibration is not None:
         report["calibration"] = calibration
-        log.info("calibrated from %s: achievable_fraction %.3g → %.3g", calibration["from"],
-                 calibration["achievable_fraction_before"], calibration["achievable_fraction"])
+        log.info("calibrated %s from %s (%s): achievable_fraction %.3g → %.3g, step-time "
+                 "error %+.1f%% → %+.1f%%", calibration["device"], calibration["from"],
+                 calibration["method"], calibration["achievable_fraction_before"],
+                 calibration["achievable_fraction"], 100 * calibration["error_before"],
+                 100 * calibration["error_after"])
     log.info("plan for %s on %s:\n%s", cfg.model.name, cluster.device.name,
              format_plan_table(report))
     if settings.search:

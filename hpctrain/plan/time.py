@@ -3,22 +3,31 @@
 Per rank, with n = dp·cp·tp·pp devices, m microbatches of b sequences, v chunks per rank of
 L = l/(pp·v) layers, each term below with its source:
   kernels  = `hpctrain.plan.kernels.layer_cost`: each layer's GEMMs on a roofline (so GEMM
-             efficiency follows the matrix shape), the attention core, and the memory-bound
-             LayerNorm/softmax/dropout/GeLU kernels at HBM bandwidth (Megatron-LM 2021 §4.2's
-             fused kernels; no sequence parallelism unless layout.sp). Full recomputation
+             efficiency follows the matrix shape), the attention core (eager: every score
+             through HBM; fused: the causal kernel at the generation's flash-attention shares),
+             and the memory-bound LayerNorm/softmax/dropout/GeLU kernels at HBM bandwidth
+             (Megatron-LM 2021 §4.2's fused kernels; no sequence parallelism unless layout.sp),
+             every rate the device generation's share of its datasheet
+             (`hpctrain.plan.hardware`). Full recomputation
              re-runs each layer's forward inside its backward (Megatron 2021 ran every Table 1
              model so: its FLOP count 96·B·s·l·h²·(…) includes the recomputed forward)
   comm_tp  = per layer and microbatch 2 all-reduces of b·s·h activations in the forward, 2 in
              the backward, +2 when the forward is recomputed (Shoeybi et al. 2019, f and g);
-             blocking, on the critical path (Megatron 2021 does not overlap them)
-  per-chunk action costs for the simulator: T_F = L·(F + 2·AR), T_B = L·(B + (2|4)·AR),
-             T_W = L·W (the weight-gradient GEMMs; schedules without a W split run B+W)
+             blocking, on the critical path (Megatron 2021 does not overlap them), or under
+             ov.tp="full" only what outlasts the projection GEMMs it is chunked with
+             (`hpctrain.plan.stack`). Links run at NCCL's share of the datasheet
+             (ClusterSpec.intra_bw, inter_bw)
+  per-chunk action costs for the simulator: T_F = L·(F + TP_F), T_B = L·(B + TP_B),
+             T_W = L·W (the weight-gradient GEMMs; schedules without a W split run B+W), TP
+             the exposed tp seconds (2·AR and (2|4)·AR without overlap)
   bubble   = the simulator's idle time of the exact schedule with those costs and no hop
              latency (`hpctrain.plan.bubble`): cost − work
   comm_pp  = what one stage-to-stage hop (b·s·h/t bytes: Megatron's scatter/gather send of
              1/t of the activation, then an all-gather over NVLink) adds to the simulated
-             step: cost(T_comm) − cost(0), i.e. only the p2p on the critical path
-  head     = the output layer's three GEMMs per microbatch (`kernels.head_cost`), on the last
+             step: cost(T_comm) − cost(0), i.e. only the p2p on the critical path; under
+             ov.pp a hop costs its latency alone (sends on their own stream)
+  head     = the output layer's three GEMMs per microbatch (`kernels.head_cost`) and the fp32
+             vocab-parallel cross entropy over its logits (`kernels.loss_cost`), on the last
              stage, which paces the pipeline
   fp8      = with train.fp8 the block projections' GEMMs run on an FP8 roofline (the device's
              dense FP8 peak · achievable_fraction, 1-byte operands); the output head and the
@@ -26,7 +35,9 @@ L = l/(pp·v) layers, each term below with its source:
              FP8 linears) are counted with the projections: an optimistic bound for MoE + fp8
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
-             (Megatron 2021 reduces after the pipeline flush: dp_overlap = 0)
+             (Megatron 2021 reduces after the pipeline flush: dp_overlap = 0); under ov.dp
+             what outlasts one microbatch's backward (reduce-scatter) and forward (all-gather),
+             at least the last bucket; gradients in fp32 under ov.grad_reduce="fp32"
   comm_cp  = the cp traffic per layer and microbatch, in key/value shards of 2·b·(s/cp)·K·H_d
              elements (parallel.context.ring.ring_shards; + (cp − 1) with full recompute,
              which reruns the forward's traffic), by transport (parallel.cp_comm):
@@ -52,8 +63,10 @@ The optimizer step and the embedding lookup are not timed (< 1% at these sizes).
 tflops_per_device counts the FLOPs executed (`shapes.training_flops_per_token`), as Megatron
 reports; mfu counts model FLOPs only. Attention is linear in the attended keys per token: s
 for rows of one sequence, Σ lᵢ²/Σ lᵢ for rows packed with documents (`attended_per_token`).
-With one set of constants this meets every row of Megatron-LM 2021 Table 1 within ±5%
-(tests/unit/test_plan_time.py; benchmarks/results/planner.md).
+With one set of constants per device generation this meets every visible row of Megatron-LM
+2021 Table 1, Korthikanti et al. 2022 and the Megatron-LM README's H100 table within ±8%, the
+settings they leave unstated searched (`hpctrain.plan.published`; tests/unit/
+test_plan_published.py; benchmarks/results/planner.md).
 """
 
 from __future__ import annotations
@@ -61,10 +74,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.parallel.context.ring import ring_shards
-from hpctrain.plan import experts
+from hpctrain.plan import experts, stack
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.kernels import head_cost, layer_cost, roofline
+from hpctrain.plan.kernels import head_cost, layer_cost, loss_cost, roofline
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
 from hpctrain.plan.memory import state_bytes_per_param
 from hpctrain.plan.shapes import (
@@ -72,6 +85,7 @@ from hpctrain.plan.shapes import (
     rank_params,
     training_flops_per_token,
 )
+from hpctrain.plan.stack import Stack
 
 ACT_BYTES = 2  # activations travel in 16 bits (fp32 runs: 4, see `_act_bytes`)
 A2A_PER_LAYER = 4  # MoE dispatch + combine, forward + backward
@@ -113,8 +127,8 @@ def ring_time(nbytes: float, *, n: int, bw: float, latency: float, op: str) -> f
 def tp_link(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
     """(bytes/s, latency) of a tp group: NVLink when it fits in a node, else a NIC share."""
     if tp <= cluster.gpus_per_node:
-        return cluster.intra_node_bw, cluster.latency_intra
-    return cluster.inter_node_bw / cluster.gpus_per_node, cluster.latency_inter
+        return cluster.intra_bw, cluster.latency_intra
+    return cluster.inter_bw / cluster.gpus_per_node, cluster.latency_inter
 
 
 def dp_link(cluster: ClusterSpec, *, tp: int, dp: int) -> tuple[float, float]:
@@ -123,20 +137,20 @@ def dp_link(cluster: ClusterSpec, *, tp: int, dp: int) -> tuple[float, float]:
     Ranks are tp-fastest, so a dp group spans dp·tp consecutive ranks. Within a node: NVLink.
     Across nodes each node has g/k concurrent dp groups sharing its NICs, with k = members of
     one group per node = max(1, min(dp, g // tp)); a ring crosses each node boundary once, so
-    each group gets inter_node_bw · k / g (all NICs for tp=1, one NIC's share for tp=g).
+    each group gets inter_bw · k / g (all NICs for tp=1, one NIC's share for tp=g).
     """
     g = cluster.gpus_per_node
     if dp * tp <= g:
-        return cluster.intra_node_bw, cluster.latency_intra
+        return cluster.intra_bw, cluster.latency_intra
     k = max(1, min(dp, g // tp))
-    return min(cluster.intra_node_bw, cluster.inter_node_bw * k / g), cluster.latency_inter
+    return min(cluster.intra_bw, cluster.inter_bw * k / g), cluster.latency_inter
 
 
 def pp_link(cluster: ClusterSpec, layout: Layout) -> tuple[float, float]:
     """(bytes/s, latency) of a stage boundary: NVLink if the job is one node, else a NIC share."""
     if layout.n_devices <= cluster.gpus_per_node:
-        return cluster.intra_node_bw, cluster.latency_intra
-    return cluster.inter_node_bw / cluster.gpus_per_node, cluster.latency_inter
+        return cluster.intra_bw, cluster.latency_intra
+    return cluster.inter_bw / cluster.gpus_per_node, cluster.latency_inter
 
 
 def _act_bytes(precision: str) -> int:
@@ -164,24 +178,33 @@ def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
 def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
     """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3); routed
     experts' Ψ_E/(pp·ep) over their own (dp/ep)·cp group, whose members are ep·cp·tp apart."""
-    g_b = state_bytes_per_param(precision)[1]
-    nbytes = rank_params(model, tp=layout.tp, pp=layout.pp) * g_b
+    return sum(dp_comm_parts(model, cluster, layout, precision=precision))
+
+
+def dp_comm_parts(model: Shape, cluster, layout, *, precision: str,
+                  ov: Stack = stack.NONE) -> tuple[float, float]:
+    """(reduce-scatter, all-gathers) seconds of `dp_comm_s`; gradients of ov.grad_bytes."""
+    p_b, g_b = state_bytes_per_param(precision)[:2]
+    g_b = ov.grad_bytes(g_b)
+    psi = rank_params(model, tp=layout.tp, pp=layout.pp)
     n = layout.dp * layout.cp  # gradients of replicated parameters reduce over dp×cp
     bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
-    total = _reduce_gather(nbytes, n=n, bw=bw, lat=lat, zero=layout.zero)
-    expert_bytes = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp) * g_b
-    if expert_bytes:
+    rs, ag = _reduce_gather(psi, g_b, p_b, n=n, bw=bw, lat=lat, zero=layout.zero)
+    expert_psi = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
+    if expert_psi:
         bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep, dp=layout.dp // layout.ep)
-        total += _reduce_gather(expert_bytes, n=layout.dp // layout.ep * layout.cp, bw=bw,
-                                lat=lat, zero=layout.zero)
-    return total
+        e_rs, e_ag = _reduce_gather(expert_psi, g_b, p_b, n=layout.dp // layout.ep * layout.cp,
+                                    bw=bw, lat=lat, zero=layout.zero)
+        rs, ag = rs + e_rs, ag + e_ag
+    return rs, ag
 
 
-def _reduce_gather(nbytes: float, *, n: int, bw: float, lat: float, zero: int) -> float:
+def _reduce_gather(psi: float, g_b: int, p_b: int, *, n: int, bw: float, lat: float,
+                   zero: int) -> tuple[float, float]:
     gathers = 2 if zero == 3 else 1
-    rs = ring_time(nbytes, n=n, bw=bw, latency=lat, op="reduce_scatter")
-    ag = ring_time(nbytes, n=n, bw=bw, latency=lat, op="all_gather")
-    return rs + gathers * ag
+    rs = ring_time(psi * g_b, n=n, bw=bw, latency=lat, op="reduce_scatter")
+    ag = ring_time(psi * p_b, n=n, bw=bw, latency=lat, op="all_gather")
+    return rs, gathers * ag
 
 
 def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision,
@@ -225,12 +248,25 @@ def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, prec
     return m * model.n_moe_layers / layout.pp * k * experts.a2a_time(nbytes, cluster, layout)
 
 
+def _tp_exposed(lc, ar: float, *, recompute: str, tp_overlap: str) -> tuple[float, float]:
+    """(forward, backward) tp seconds a layer waits for: 2 all-reduces forward, 2 backward
+    (+2 for the recomputed forward), blocking, or pipelined with the layer's projection GEMMs
+    (lc.w: one pass of them) under tp_overlap="full" (`hpctrain.plan.stack`)."""
+    k_b = 4 if recompute == "full" else 2
+    if tp_overlap == "none":
+        return 2 * ar, k_b * ar
+    gemms_b = (3 if recompute == "full" else 2) * lc.w  # dgrad + wgrad (+ the rerun forward)
+    return stack.exposed(2 * ar, lc.w), stack.exposed(k_b * ar, gemms_b)
+
+
 def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: int,
                   seq_len: int, keys: float, recompute: str, precision: str,
-                  fp8: bool = False):
-    """(T_F, T_B, T_W) of one chunk and microbatch, tp all-reduces included (module doc)."""
+                  fp8: bool = False, tp_overlap: str = "none"):
+    """(T_F, T_B, T_W) of one chunk and microbatch with the exposed tp traffic, then the
+    chunk's kernel seconds and its exposed tp seconds (module docstring)."""
     r = roofline(cluster.device, precision=precision,
-                 achievable_fraction=cluster.achievable_fraction)
+                 achievable_fraction=cluster.achievable_fraction,
+                 measured=cluster.measured_gemms(precision))
     r8 = roofline(cluster.device, precision="fp8",
                   achievable_fraction=cluster.achievable_fraction) if fp8 else None
     lc = layer_cost(model, r, mbs=mbs, seq_len=seq_len, keys=keys, tp=layout.tp, sp=layout.sp,
@@ -238,10 +274,10 @@ def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: in
     bw, lat = tp_link(cluster, layout.tp)
     nbytes = mbs * seq_len * model.dim * _act_bytes(precision)
     ar = ring_time(nbytes, n=layout.tp, bw=bw, latency=lat, op="all_reduce")
+    tp_f, tp_b = _tp_exposed(lc, ar, recompute=recompute, tp_overlap=tp_overlap)
     per_chunk = model.n_layers / (layout.pp * layout.virtual_stages)
-    k_b = 4 if recompute == "full" else 2
-    return (per_chunk * (lc.f + 2 * ar), per_chunk * (lc.b + k_b * ar), per_chunk * lc.w,
-            per_chunk * (lc.f + lc.b + lc.w))
+    return (per_chunk * (lc.f + tp_f), per_chunk * (lc.b + tp_b), per_chunk * lc.w,
+            per_chunk * (lc.f + lc.b + lc.w), per_chunk * (tp_f + tp_b))
 
 
 def _pipeline(layout: Layout, *, m: int, costs, hop: float) -> tuple[float, float, float]:
@@ -256,22 +292,39 @@ def _pipeline(layout: Layout, *, m: int, costs, hop: float) -> tuple[float, floa
     return work, work * f0 / (1 - f0), max(0.0, work / (1 - f1) - work / (1 - f0))
 
 
+def _dp_time(model, cluster, layout, *, precision, dp_overlap, ov, costs) -> float:
+    """Exposed dp seconds: (1 − dp_overlap) of the reduce-scatter + all-gather, or under
+    ov.dp what outlasts one microbatch's backward / forward on this rank (`plan.stack`)."""
+    rs, ag = dp_comm_parts(model, cluster, layout, precision=precision, ov=ov)
+    if not ov.dp:
+        return (1.0 - dp_overlap) * (rs + ag)
+    v = layout.virtual_stages
+    bucket = stack.BUCKET_PARAMS * ov.grad_bytes(state_bytes_per_param(precision)[1])
+    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
+    one = ring_time(bucket, n=layout.dp * layout.cp, bw=bw, latency=lat, op="reduce_scatter")
+    return stack.dp_exposed(rs, ag, bucket_s=one, backward_s=v * (costs[1] + costs[2]),
+                              forward_s=v * costs[0])
+
+
 def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     dp_overlap: float = 0.0, attended_per_token: float | None = None, fp8: bool = False,
-    pipeline: bool = True,
+    pipeline: bool = True, ov: Stack = stack.NONE,
 ) -> StepTime:
     """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
 
     dp_overlap: fraction of the data-parallel communication hidden behind backward compute
-    (0 = none, as in Megatron-LM 2021; ~0.5–0.9 for bucketed DDP/FSDP with prefetch).
+    (0 = none, as in Megatron-LM 2021; ~0.5–0.9 for bucketed DDP/FSDP with prefetch);
+    ignored when ov.dp models the overlap itself.
     attended_per_token: keys a token attends to on average (unmasked count): seq_len (None)
     without documents, Σ lᵢ²/Σ lᵢ under document masks.
     fp8: the block linears run in float8 (train.fp8) at the device's FP8 peak; ValueError
     for a device without one.
     pipeline=False: leave out the bubble and the exposed p2p (no simulation): a lower bound
     of the step time that the layout search prunes with (`hpctrain.plan.search`).
+    ov: the training stack: which tp, dp and pp traffic it overlaps with compute, and the
+    gradients' element size in the dp reduction (`hpctrain.plan.stack`).
     """
     if not 0.0 <= dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
@@ -281,16 +334,19 @@ def step_time(
     if not 0 < attn <= seq_len:
         raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
-    *costs, kernels = _action_costs(model, cluster, layout, mbs=micro_batch_size,
-                                    seq_len=seq_len // layout.cp, keys=attn,
-                                    recompute=recompute, precision=precision, fp8=fp8)
+    *costs, kernels, tp_chunk = _action_costs(
+        model, cluster, layout, mbs=micro_batch_size, seq_len=seq_len // layout.cp, keys=attn,
+        recompute=recompute, precision=precision, fp8=fp8, tp_overlap=ov.tp)
     r = roofline(cluster.device, precision=precision,
-                 achievable_fraction=cluster.achievable_fraction)
-    head = m * head_cost(model, r, mbs=micro_batch_size, seq_len=seq_len // layout.cp,
-                         tp=layout.tp, precision=precision)
+                 achievable_fraction=cluster.achievable_fraction,
+                 measured=cluster.measured_gemms(precision))
+    mb = dict(mbs=micro_batch_size, seq_len=seq_len // layout.cp, tp=layout.tp)
+    head = m * (head_cost(model, r, precision=precision, **mb) + loss_cost(model, r, **mb))
     compute = m * layout.virtual_stages * kernels + head
-    tp = tp_comm_s(model, cluster, layout, recompute=recompute, **kw)
+    tp = m * layout.virtual_stages * tp_chunk
     hop = pp_comm_s(model, cluster, layout, **{**kw, "m": 1}) / (2 * layout.virtual_stages)
+    if ov.pp:
+        hop = min(hop, pp_link(cluster, layout)[1])  # only the latency stays exposed
     if pipeline:
         work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
     else:
@@ -299,7 +355,8 @@ def step_time(
                            recompute=recompute)
     cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)
     ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
-    dp = (1.0 - dp_overlap) * dp_comm_s(model, cluster, layout, precision=precision)
+    dp = _dp_time(model, cluster, layout, precision=precision, dp_overlap=dp_overlap, ov=ov,
+                  costs=costs)
     return _rates(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, attn=attn,
                   recompute=recompute, precision=precision,
                   parts=dict(compute_s=compute, comm_tp_s=tp, comm_pp_s=pp, bubble_s=bubble,

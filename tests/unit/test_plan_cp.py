@@ -36,7 +36,7 @@ def test_ring_traffic_is_charged_beyond_the_compute_it_overlaps():
     slow = step_time(MODEL, slow_link, layout=Layout(cp=8), **kw)
     # 8 layers × 8 microbatches × (3·8 − 2) sends of 2·1·4096·16·64·2 bytes
     sends = 8 * 8 * 22
-    ring = sends * (2 * 4096 * 16 * 64 * 2 / slow_link.intra_node_bw + cluster.latency_intra)
+    ring = sends * (2 * 4096 * 16 * 64 * 2 / slow_link.intra_bw + cluster.latency_intra)
     assert slow.comm_cp_s == pytest.approx(ring - slow.compute_s, rel=1e-12)
     assert slow.comm_cp_s > 0 and slow.step_time_s > t.step_time_s
     assert step_time(MODEL, cluster, layout=Layout(dp=8), **kw).comm_cp_s == 0.0
@@ -63,7 +63,7 @@ def test_allgather_traffic_is_charged_in_full_and_full_recompute_reruns_the_forw
     all-gather (ring: cp − 1 sends)."""
     cluster = megatron_a100_cluster()
     kw = dict(global_batch=8, micro_batch_size=1, seq_len=32768, precision="bf16")
-    bw, lat = cluster.intra_node_bw, cluster.latency_intra
+    bw, lat = cluster.intra_bw, cluster.latency_intra  # NVLink at NCCL's share
     shard = 2 * 4096 * 16 * 64 * 2  # 2·b·(s/cp)·K·H_d elements of 2 bytes
     one = 7 * (shard / bw + lat)  # a ring collective of 8 shards over 8 ranks: 7 hops
     layers = 8 * 8  # 8 layers × 8 microbatches
@@ -74,10 +74,10 @@ def test_allgather_traffic_is_charged_in_full_and_full_recompute_reruns_the_forw
     assert step_time(MODEL, cluster, layout=Layout(cp=8), **kw).comm_cp_s == 0.0
     full = step_time(MODEL, cluster, layout=ag, recompute="full", **kw)
     assert full.comm_cp_s == pytest.approx(layers * 4 * one, rel=1e-12)
-    slow_link = replace(cluster, intra_node_bw=bw / 1000)
+    slow_link = replace(cluster, intra_node_bw=cluster.intra_node_bw / 1000)
     ring = step_time(MODEL, slow_link, layout=Layout(cp=8), recompute="full", **kw)
     sends = layers * (22 + 7)
-    exposed = sends * (shard / slow_link.intra_node_bw + lat) - ring.compute_s
+    exposed = sends * (shard / slow_link.intra_bw + lat) - ring.compute_s
     assert ring.comm_cp_s == pytest.approx(exposed, rel=1e-12)
     with pytest.raises(ValueError, match="cp_comm='p2p'"):
         Layout(cp=2, cp_comm="p2p")

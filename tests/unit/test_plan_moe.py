@@ -67,7 +67,7 @@ def test_step_time_includes_the_all_to_all():
     t = _time(Layout(dp=8, ep=4))
     m, tokens = 64 // 8, 4096
     volume = tokens * 2 * 4096 * 2 * 3 / 4  # T·top_k·h·bytes·(ep−1)/ep
-    one = volume / CLUSTER.intra_node_bw + 3 * CLUSTER.latency_intra  # ep·tp ≤ 8: NVLink
+    one = volume / CLUSTER.intra_bw + 3 * CLUSTER.latency_intra  # ep·tp ≤ 8: NVLink
     assert t.comm_ep_s == pytest.approx(m * 32 * 4 * one, rel=1e-12)  # 4 per block per micro
     parts = t.compute_s + t.comm_tp_s + t.comm_pp_s + t.comm_cp_s + t.comm_ep_s + t.bubble_s
     assert t.step_time_s == pytest.approx(parts + t.comm_dp_s, rel=1e-12)
