@@ -133,14 +133,26 @@ class OptimConfig:
 @dataclass(frozen=True)
 class DataConfig:
     name: str = "stdlib"
-    # stdlib: this Python's standard-library sources; files: data.paths (text files/globs);
-    # tokens: a prepared directory.
+    # stdlib: this Python's standard-library sources (capped at max_bytes); files: data.paths
+    # (files, globs or directories of shards, read as data.format); tokens: a prepared directory.
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
-    tokenizer: Literal["byte", "bpe"] = "byte"  # bpe: trained locally with HF tokenizers
+    # text: a file is one document; jsonl: one JSON object per line (plain, .gz, .zst), its
+    # text_key field; parquet: the text_key column; hf: a datasets.save_to_disk directory.
+    format: Literal["text", "jsonl", "parquet", "hf"] = "text"
+    text_key: str = "text"
+    on_bad_record: Literal["error", "skip"] = "error"  # skip: skip and count bad records
+    # byte: UTF-8 bytes; bpe: trained locally; hf: a tokenizer.json (tokenizer_path: the file
+    # or its directory); tiktoken: a <encoding>.tiktoken file (tokenizer_path).
+    tokenizer: Literal["byte", "bpe", "hf", "tiktoken"] = "byte"
+    tokenizer_path: str | None = None
+    bos_token: str | None = None  # before each document; null: the tokenizer's own, '': none
+    eod_token: str | None = None  # after each document; null: the tokenizer's end-of-text
     bpe_vocab_size: int = 512
-    max_bytes: int = 4_000_000
+    max_bytes: int = 4_000_000  # caps source=stdlib only
     val_fraction: float = 0.01
+    workers: int = 1  # tokenizer processes of prepare (the output does not depend on it)
+    shard_bytes: int = 64_000_000  # input bytes per shard (prepare's unit of work and resume)
     cache_dir: str = "~/.cache/hpctrain"
     # documents: attention and RoPE positions stay inside each document; none: a row is one text
     packing: Literal["documents", "none"] = "documents"
@@ -157,13 +169,13 @@ class LoggerConfig:
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
 
 
-Task = Literal["train", "simulate", "bench", "plan"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare"]
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The `task` group: what `python -m hpctrain` does (task=plan and task=simulate run once,
-    with no ranks; train and bench run on every rank)."""
+    """The `task` group: what `python -m hpctrain` does (task=plan, simulate and prepare run
+    once, with no ranks; train and bench run on every rank)."""
 
     name: Task = "train"
 

@@ -26,7 +26,9 @@ from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
     check_data_size,
+    check_format,
     check_resume,
+    check_tokenizer,
     check_vocab,
 )
 from hpctrain.validate_keys import (
@@ -260,13 +262,13 @@ def check_cluster_spec(c: Config) -> list[str]:
 
 
 def reads_data(c: Config) -> bool:
-    """task=train and bench=train read the token cache (and resume checkpoints)."""
+    """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
         try:
             return needs_data(c)
         except ValueError:  # a bad bench group: check_bench reports it
             return False
-    return c.task == "train"
+    return c.task in ("train", "prepare")
 
 
 # Checks → the keys they read ("group." is every key of a group); the first is the key a
@@ -276,7 +278,10 @@ def reads_data(c: Config) -> bool:
 INPUTS: dict[Check, tuple[str, ...]] = {
     check_local_nodes: ("cluster.nodes", "cluster.launcher"),
     check_resume: ("train.resume",),
-    check_data_paths: ("data.paths", "data.source"),
+    check_data_paths: ("data.paths", "data.source", "data.format"),
+    check_format: ("data.format", "data.paths"),
+    check_tokenizer: ("data.tokenizer", "data.tokenizer_path", "data.bos_token",
+                      "data.eod_token"),
     check_cache_dir: ("data.cache_dir", "data."),
 }
 _BATCH = ("train.global_batch_size", "train.micro_batch_size", "parallel.")
@@ -307,7 +312,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
-DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
+DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
+               check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
@@ -321,6 +327,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     # The planner predicts any layout, including ones this version cannot run yet.
     "plan": (check_cp, check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
              check_plan),
+    # task=prepare tokenises the data once, no ranks: only what it reads and writes matters.
+    "prepare": (check_data_paths, check_format, check_tokenizer, check_cache_dir),
 }
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import difflib
 import glob
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 from hpctrain.config import Config, format_problems
 from hpctrain.data import prepare as prep
+from hpctrain.data.records import SUFFIXES, list_inputs
+from hpctrain.data.tokenizer import EXTRA
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
@@ -48,31 +51,68 @@ def check_resume(c: Config) -> list[str]:
 
 
 def check_data_paths(c: Config) -> list[str]:
-    """data.paths of files/tokens: present, files (not only directories), readable."""
+    """data.paths of files/tokens: present, readable files (or directories of shards; for
+    data.format=hf, directories saved by `datasets`)."""
     d = c.data
     if d.source == "stdlib":
         return []
     if not d.paths:
-        return [f"data.source={d.source} needs data.paths (files or globs): e.g. "
+        return [f"data.source={d.source} needs data.paths (files, globs or directories): e.g. "
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
     if d.source == "tokens":
         return _token_dir_problems(d.paths)
-    return [e for pattern in d.paths for e in _pattern_problems(pattern)]
+    return [e for pattern in d.paths for e in _pattern_problems(pattern, d.format)]
 
 
-def _pattern_problems(pattern: str) -> list[str]:
+def _pattern_problems(pattern: str, fmt: str) -> list[str]:
     matches = glob.glob(os.path.expanduser(pattern))
-    files = [m for m in matches if os.path.isfile(m)]
+    files = list_inputs((pattern,), fmt)
     if not matches:
         return [f"data.paths: no file matches {pattern}: check the path (globs such as "
                 "'dir/*.txt' are expanded)"]
+    if fmt == "hf":
+        bad = [m for m in matches if not (Path(m) / "dataset_info.json").is_file()]
+        return [f"data.paths: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
+                "dataset_info.json): give that directory (one split), or another data.format"
+                ] if bad else []
     if not files:
-        return [f"data.paths: {pattern} matches only directories: give files or a glob such "
-                f"as '{pattern.rstrip('/')}/*.txt'"]
+        want = f"{'/'.join(SUFFIXES[fmt])} files" if fmt in SUFFIXES else "files"
+        return [f"data.paths: {pattern} holds no {want} (data.format={fmt}): give files, "
+                f"directories of them or a glob such as '{pattern.rstrip('/')}/*"
+                f"{SUFFIXES.get(fmt, ('.txt',))[0]}'"]
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
         return [f"data.paths: {unreadable[0]} is not readable (permissions): fix them or drop "
                 "it from data.paths"]
+    return []
+
+
+def check_format(c: Config) -> list[str]:
+    """The optional packages data.format needs are installed."""
+    d = c.data
+    if d.source != "files":
+        return []
+    need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
+    if d.format == "jsonl" and any(p.name.endswith(".zst")
+                                   for p in list_inputs(d.paths, d.format)):
+        need.append("zstandard")
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA
+    return [f"data.format={d.format} needs {', '.join(missing)}: {extra}"] if missing else []
+
+
+def check_tokenizer(c: Config) -> list[str]:
+    """data.tokenizer loads (its file, its package, data.bos_token and data.eod_token)."""
+    d = c.data
+    if d.source == "tokens":
+        return []
+    if d.tokenizer == "bpe":
+        missing = importlib.util.find_spec("tokenizers") is None
+        return [f"data.tokenizer=bpe needs the tokenizers package: {EXTRA}"] if missing else []
+    try:
+        prep.tokenizer_vocab(d)
+    except ValueError as err:
+        return [str(err)]
     return []
 
 
@@ -125,9 +165,11 @@ def data_size_problems(c: Config, *, train: int, val: int) -> list[str]:
     t, dp, errs = c.train, c.parallel.dp, []
     need = t.global_batch_size * t.seq_len + 1
     if train < need:
+        more = (f"data.max_bytes={c.data.max_bytes}" if c.data.source == "stdlib" else
+                "data.paths")
         errs.append(f"the data's train split holds {train} tokens, fewer than one batch needs: "
                     f"train.global_batch_size={t.global_batch_size} × train.seq_len={t.seq_len}"
-                    f" + 1 = {need}: add data (data.paths, data.max_bytes={c.data.max_bytes}) "
+                    f" + 1 = {need}: add data ({more}) "
                     "or lower train.global_batch_size or train.seq_len")
     rows = t.micro_batch_size * dp if t.eval_every else 1
     need = rows * t.seq_len + 1
@@ -162,6 +204,7 @@ def check_vocab(c: Config) -> list[str]:
         need, what = json.loads(meta.read_text())["vocab_size"], f"prepared data ({meta})"
     else:
         need, what = prep.tokenizer_vocab(d), f"data.tokenizer={d.tokenizer}"
+        what += f" ({d.tokenizer_path})" if d.tokenizer in ("hf", "tiktoken") else ""
     if have >= need:
         return []
     fix = 1 << (need - 1).bit_length()  # a power of two: every tp up to it divides it
