@@ -127,7 +127,12 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 20
-    lr_schedule: Literal["cosine", "constant"] = "cosine"  # warmup, then decay to min_lr
+    # After the linear warmup (formulas: hpctrain.train.optim): cosine or linear decay to
+    # min_lr, constant, inv_sqrt (lr·sqrt(warmup/step)) or wsd (warmup-stable-decay: lr until
+    # the last decay_fraction of train.steps, then decay_shape down to min_lr).
+    lr_schedule: Literal["cosine", "linear", "wsd", "inv_sqrt", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd only
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"  # wsd only
 
 
 @dataclass(frozen=True)

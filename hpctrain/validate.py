@@ -21,6 +21,7 @@ from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
+from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
     check_cache_dir,
@@ -89,12 +90,24 @@ def check_signal_delay(c: Config) -> list[str]:
 
 
 def check_optim(c: Config) -> list[str]:
-    o = c.optim
-    if o.lr_schedule != "cosine" or o.min_lr <= o.lr:
-        return []
-    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the cosine schedule decays "
-            f"from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its peak; set "
-            f"optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+    """The schedule can run: it decays down to min_lr (not up), inv_sqrt has a warmup, the
+    wsd decay does not overlap the warmup."""
+    o, steps, errs = c.optim, c.train.steps, []
+    if o.lr_schedule in ("cosine", "linear", "wsd") and o.min_lr > o.lr:
+        errs.append(f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the {o.lr_schedule} "
+                    f"schedule decays from lr to min_lr, so the LR would climb to "
+                    f"{o.min_lr / o.lr:.3g}× its peak; set optim.min_lr at most optim.lr, e.g. "
+                    f"optim.min_lr={o.lr / 10:g}")
+    if o.lr_schedule == "inv_sqrt" and o.warmup_steps < 1:
+        errs.append("optim.lr_schedule=inv_sqrt is lr·sqrt(warmup/step) and needs "
+                    "optim.warmup_steps ≥ 1: set e.g. optim.warmup_steps=20")
+    decay = wsd_decay_steps(o, steps)
+    if o.lr_schedule == "wsd" and steps - decay < o.warmup_steps:
+        most = (steps - o.warmup_steps) / steps
+        errs.append(f"optim.decay_fraction={o.decay_fraction:g} of train.steps={steps} is {decay} "
+                    f"decay steps, which overlap the optim.warmup_steps={o.warmup_steps}: set "
+                    f"optim.decay_fraction at most {most:.3g} or fewer warmup steps")
+    return errs
 
 
 def check_head_dim(c: Config) -> list[str]:
@@ -292,7 +305,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_world: ("parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "cluster.nodes",
                   "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
-    check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
+    check_optim: ("optim.", "train.steps"),
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
