@@ -148,6 +148,8 @@ def prepare(data: DataConfig) -> Path:
         raise ValueError(f"data.source={data.source}: no input files found "
                          f"(data.paths={list(data.paths)}, data.format={data.format})")
     out = _out_dir(data, files)
+    if (out / "meta.json").exists():  # every rank looks; no lock (nor a writable cache) needed
+        return out
     with _locked(out.with_name(f"{out.name}.lock")):
         if not (out / "meta.json").exists():
             _build(data, files, out)
