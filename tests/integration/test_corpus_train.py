@@ -27,8 +27,8 @@ def _corpus(path, n_docs=60):
 
 
 def _run(overrides, tmp_path):
-    cmd = [sys.executable, "-m", "hpctrain", *SMALL, "data=files", "data.format=jsonl",
-           "data.tokenizer=hf", f"data.tokenizer_path={hf_tokenizer_dir(tmp_path / 'tok')}",
+    cmd = [sys.executable, "-m", "hpctrain", *SMALL, "data=jsonl",  # the README's preset
+           f"data.tokenizer_path={hf_tokenizer_dir(tmp_path / 'tok')}",
            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
            *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
