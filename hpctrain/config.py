@@ -142,6 +142,9 @@ class DataConfig:
     # (files, globs or directories of shards, read as data.format); tokens: a prepared directory.
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
+    # The val split from its own files (read like paths); empty: the last val_fraction of the
+    # token stream.
+    val_paths: tuple[str, ...] = ()
     # text: a file is one document; jsonl: one JSON object per line (plain, .gz, .zst), its
     # text_key field; parquet: the text_key column; hf: a datasets.save_to_disk directory.
     format: Literal["text", "jsonl", "parquet", "hf"] = "text"

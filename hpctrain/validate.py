@@ -90,24 +90,28 @@ def check_signal_delay(c: Config) -> list[str]:
 
 
 def check_optim(c: Config) -> list[str]:
-    """The schedule can run: it decays down to min_lr (not up), inv_sqrt has a warmup, the
-    wsd decay does not overlap the warmup."""
-    o, steps, errs = c.optim, c.train.steps, []
-    if o.lr_schedule in ("cosine", "linear", "wsd") and o.min_lr > o.lr:
-        errs.append(f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the {o.lr_schedule} "
-                    f"schedule decays from lr to min_lr, so the LR would climb to "
-                    f"{o.min_lr / o.lr:.3g}× its peak; set optim.min_lr at most optim.lr, e.g. "
-                    f"optim.min_lr={o.lr / 10:g}")
+    """A decaying schedule decays down to min_lr, not up."""
+    o = c.optim
+    if o.lr_schedule not in ("cosine", "linear", "wsd") or o.min_lr <= o.lr:
+        return []
+    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the {o.lr_schedule} schedule "
+            f"decays from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its "
+            f"peak; set optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+
+
+def check_lr_schedule(c: Config) -> list[str]:
+    """inv_sqrt has a warmup; the wsd decay does not overlap the warmup."""
+    o, steps = c.optim, c.train.steps
     if o.lr_schedule == "inv_sqrt" and o.warmup_steps < 1:
-        errs.append("optim.lr_schedule=inv_sqrt is lr·sqrt(warmup/step) and needs "
-                    "optim.warmup_steps ≥ 1: set e.g. optim.warmup_steps=20")
+        return ["optim.lr_schedule=inv_sqrt is lr·sqrt(warmup/step) and needs "
+                "optim.warmup_steps ≥ 1: set e.g. optim.warmup_steps=20"]
     decay = wsd_decay_steps(o, steps)
-    if o.lr_schedule == "wsd" and steps - decay < o.warmup_steps:
-        most = (steps - o.warmup_steps) / steps
-        errs.append(f"optim.decay_fraction={o.decay_fraction:g} of train.steps={steps} is {decay} "
-                    f"decay steps, which overlap the optim.warmup_steps={o.warmup_steps}: set "
-                    f"optim.decay_fraction at most {most:.3g} or fewer warmup steps")
-    return errs
+    if o.lr_schedule != "wsd" or steps - decay >= o.warmup_steps:
+        return []
+    most = (steps - o.warmup_steps) / steps
+    return [f"optim.decay_fraction={o.decay_fraction:g} of train.steps={steps} is {decay} decay "
+            f"steps, which overlap the optim.warmup_steps={o.warmup_steps}: set "
+            f"optim.decay_fraction at most {most:.3g} or fewer warmup steps"]
 
 
 def check_head_dim(c: Config) -> list[str]:
@@ -291,7 +295,7 @@ def reads_data(c: Config) -> bool:
 INPUTS: dict[Check, tuple[str, ...]] = {
     check_local_nodes: ("cluster.nodes", "cluster.launcher"),
     check_resume: ("train.resume",),
-    check_data_paths: ("data.paths", "data.source", "data.format"),
+    check_data_paths: ("data.paths", "data.source", "data.format", "data.val_paths"),
     check_format: ("data.format", "data.paths"),
     check_tokenizer: ("data.tokenizer", "data.tokenizer_path", "data.bos_token",
                       "data.eod_token"),
@@ -305,7 +309,9 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_world: ("parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "cluster.nodes",
                   "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
-    check_optim: ("optim.", "train.steps"),
+    check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
+    check_lr_schedule: ("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction",
+                        "train.steps"),
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
@@ -328,6 +334,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
                check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
+                             check_lr_schedule,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
                              check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,

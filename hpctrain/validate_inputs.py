@@ -54,6 +54,9 @@ def check_data_paths(c: Config) -> list[str]:
     """data.paths of files/tokens: present, readable files (or directories of shards; for
     data.format=hf, directories saved by `datasets`)."""
     d = c.data
+    if d.val_paths and d.source != "files":
+        return [f"data.val_paths reads files, but data.source={d.source}: set data=files (or "
+                "data=jsonl) with data.paths, or remove data.val_paths"]
     if d.source == "stdlib":
         return []
     if not d.paths:
@@ -61,29 +64,30 @@ def check_data_paths(c: Config) -> list[str]:
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
     if d.source == "tokens":
         return _token_dir_problems(d.paths)
-    return [e for pattern in d.paths for e in _pattern_problems(pattern, d.format)]
+    return [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
+            for pattern in patterns for e in _pattern_problems(pattern, d.format, key=key)]
 
 
-def _pattern_problems(pattern: str, fmt: str) -> list[str]:
+def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
     matches = glob.glob(os.path.expanduser(pattern))
     files = list_inputs((pattern,), fmt)
     if not matches:
-        return [f"data.paths: no file matches {pattern}: check the path (globs such as "
+        return [f"{key}: no file matches {pattern}: check the path (globs such as "
                 "'dir/*.txt' are expanded)"]
     if fmt == "hf":
         bad = [m for m in matches if not (Path(m) / "dataset_info.json").is_file()]
-        return [f"data.paths: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
+        return [f"{key}: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
                 "dataset_info.json): give that directory (one split), or another data.format"
                 ] if bad else []
     if not files:
         want = f"{'/'.join(SUFFIXES[fmt])} files" if fmt in SUFFIXES else "files"
-        return [f"data.paths: {pattern} holds no {want} (data.format={fmt}): give files, "
+        return [f"{key}: {pattern} holds no {want} (data.format={fmt}): give files, "
                 f"directories of them or a glob such as '{pattern.rstrip('/')}/*"
                 f"{SUFFIXES.get(fmt, ('.txt',))[0]}'"]
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
-        return [f"data.paths: {unreadable[0]} is not readable (permissions): fix them or drop "
-                "it from data.paths"]
+        return [f"{key}: {unreadable[0]} is not readable (permissions): fix them or drop "
+                f"it from {key}"]
     return []
 
 
@@ -94,7 +98,7 @@ def check_format(c: Config) -> list[str]:
         return []
     need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
     if d.format == "jsonl" and any(p.name.endswith(".zst")
-                                   for p in list_inputs(d.paths, d.format)):
+                                   for p in list_inputs(d.paths + d.val_paths, d.format)):
         need.append("zstandard")
     missing = [m for m in need if importlib.util.find_spec(m) is None]
     extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA
@@ -176,9 +180,12 @@ def data_size_problems(c: Config, *, train: int, val: int) -> list[str]:
     if val < need:
         batch = (f"one eval batch needs: train.micro_batch_size={t.micro_batch_size} × "
                  f"parallel.dp={dp} × " if t.eval_every else "one sample needs: ")
-        errs.append(f"the data's val split holds {val} tokens (data.val_fraction="
-                    f"{c.data.val_fraction}), fewer than {batch}train.seq_len={t.seq_len} + 1 "
-                    f"= {need}: raise data.val_fraction or add data"
+        source = ("data.val_paths" if c.data.val_paths else
+                  f"data.val_fraction={c.data.val_fraction}")
+        errs.append(f"the data's val split holds {val} tokens ({source}), fewer than "
+                    f"{batch}train.seq_len={t.seq_len} + 1 "
+                    f"= {need}: " + ("add data to data.val_paths" if c.data.val_paths else
+                                     "raise data.val_fraction or add data")
                     + (", or set train.eval_every=0" if t.eval_every else ""))
     return errs
 

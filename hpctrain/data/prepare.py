@@ -51,6 +51,11 @@ def source_files(data: DataConfig) -> list[Path]:
     return list_inputs(data.paths, data.format)
 
 
+def val_files(data: DataConfig) -> list[Path]:
+    """The inputs of the val split when data.val_paths names them, else []."""
+    return list_inputs(data.val_paths, data.format) if data.val_paths else []
+
+
 def input_format(data: DataConfig) -> str:
     return "text" if data.source == "stdlib" else data.format
 
@@ -98,8 +103,13 @@ def predicted_split(data: DataConfig) -> tuple[int, int] | None:
     None where that needs more (other formats and tokenizers, or the whole stdlib)."""
     if data.source != "files" or data.tokenizer != "byte" or data.format != "text":
         return None
-    sizes = [f.stat().st_size for f in source_files(data)]
-    return split_sizes(sum(sizes) + sum(1 for s in sizes if s), data.val_fraction)
+    def tokens(files: list[Path]) -> int:
+        sizes = [f.stat().st_size for f in files]
+        return sum(sizes) + sum(1 for s in sizes if s)
+
+    if data.val_paths:
+        return tokens(source_files(data)), tokens(val_files(data))
+    return split_sizes(tokens(source_files(data)), data.val_fraction)
 
 
 def _cache_key(data: DataConfig, files: list[Path]) -> str:
@@ -112,7 +122,10 @@ def _cache_key(data: DataConfig, files: list[Path]) -> str:
     parts += [load(spec).sha256] if spec.path else []
     for part in parts:
         h.update(repr(part).encode())
-    for f in files:
+    for f in [*files, None, *val_files(data)]:  # None: where the val split's files start
+        if f is None:
+            h.update(b"val_paths")
+            continue
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
     return h.hexdigest()[:16]
@@ -166,30 +179,43 @@ def _build(data: DataConfig, files: list[Path], out: Path) -> None:
     encoder = load(spec)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
     units = _units(data, inputs, work / "shards", spec, dtype)
+    val_inputs = [(str(f), None) for f in val_files(data)]
+    val_units = _units(data, val_inputs, work / "shards", spec, dtype, first=len(units))
     start = time.monotonic()
-    stats = _run_units(units, workers=data.workers)
-    n_train, n_val = split_sizes(stats.tokens, data.val_fraction)
-    manifest = assemble([u.stem for u in units], work, dtype=dtype, n_train=n_train)
-    meta = {"dtype": dtype, "train_tokens": n_train, "val_tokens": n_val,
-            "vocab_size": encoder.vocab_size, "eod": encoder.eod_id, "bos": encoder.bos_id,
-            "eod_token": encoder.eod_token, "bos_token": encoder.bos_token,
-            "tokenizer": data.tokenizer, "tokenizer_sha256": encoder.sha256,
-            "documents": stats.documents, "skipped_empty": stats.empty,
-            "skipped_bad": stats.bad, "input_bytes": stats.input_bytes,
-            "source": data.source, "format": input_format(data),
-            "train_documents": manifest["train.idx"]["documents"],
-            "val_documents": manifest["val.idx"]["documents"]}
+    stats = _run_units(units + val_units, workers=data.workers)
+    if data.val_paths:  # the val split is its own files' shards, after the train split's
+        n_train = sum(finished(u).tokens for u in units)
+    else:
+        n_train = split_sizes(stats.tokens, data.val_fraction)[0]
+    files_entry = assemble([u.stem for u in units + val_units], work, dtype=dtype,
+                           n_train=n_train)
     (work / "manifest.json").write_text(json.dumps({
-        "files": manifest, "inputs": [{"path": p, "bytes": os.path.getsize(p)} for p, _ in inputs],
-        "shards": len(units)}, indent=2))
+        "files": files_entry, "shards": len(units) + len(val_units),
+        "inputs": [{"path": p, "bytes": os.path.getsize(p)} for p, _ in inputs + val_inputs]},
+        indent=2))
+    meta = _meta(data, encoder, stats, files_entry, dtype=dtype, n_train=n_train)
     (work / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(work / "shards")  # concatenated into train/val: not kept twice
     work.rename(out)
     _summary(stats, out, seconds=time.monotonic() - start)
 
 
+def _meta(data: DataConfig, encoder, stats: ShardStats, files: dict, *, dtype: str,
+          n_train: int) -> dict:
+    return {"dtype": dtype, "train_tokens": n_train, "val_tokens": stats.tokens - n_train,
+            "vocab_size": encoder.vocab_size, "eod": encoder.eod_id, "bos": encoder.bos_id,
+            "eod_token": encoder.eod_token, "bos_token": encoder.bos_token,
+            "tokenizer": data.tokenizer, "tokenizer_sha256": encoder.sha256,
+            "documents": stats.documents, "skipped_empty": stats.empty,
+            "skipped_bad": stats.bad, "input_bytes": stats.input_bytes,
+            "source": data.source, "format": input_format(data),
+            "val_from": "val_paths" if data.val_paths else "val_fraction",
+            "train_documents": files["train.idx"]["documents"],
+            "val_documents": files["val.idx"]["documents"]}
+
+
 def _units(data: DataConfig, inputs: list[tuple[str, int | None]], shard_dir: Path,
-           spec: TokenizerSpec, dtype: str) -> list[Unit]:
+           spec: TokenizerSpec, dtype: str, *, first: int = 0) -> list[Unit]:
     """Consecutive inputs grouped until each group holds ≥ data.shard_bytes (deterministic:
     it depends on the inputs only, never on data.workers)."""
     groups: list[list[tuple[str, int | None]]] = [[]]
@@ -200,8 +226,8 @@ def _units(data: DataConfig, inputs: list[tuple[str, int | None]], shard_dir: Pa
             size = 0
         groups[-1].append((path, limit))
         size += os.path.getsize(path) if limit is None else limit
-    return [Unit(i, tuple(g), str(shard_dir), input_format(data), data.text_key,
-                 data.on_bad_record, spec, dtype) for i, g in enumerate(groups)]
+    return [Unit(first + i, tuple(g), str(shard_dir), input_format(data), data.text_key,
+                 data.on_bad_record, spec, dtype) for i, g in enumerate(groups) if g]
 
 
 def _run_units(units: list[Unit], *, workers: int) -> ShardStats:

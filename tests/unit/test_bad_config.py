@@ -151,6 +151,12 @@ BAD = [
     ([FILES, "data.format=hf", "data.paths=[{d}/adir]"],
      ["{d}/adir is not a dataset saved by datasets' save_to_disk", "another data.format"]),
     (["data.format=csv"], ["data.format='csv'", "'jsonl'"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "data.val_paths=[{d}/nothere*.txt]"],
+     ["data.val_paths: no file matches {d}/nothere*.txt", "check the path"]),
+    (["data.val_paths=[{d}/tiny.txt]"], ["data.val_paths reads files, but data.source=stdlib",
+                                         "set data=files"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "data.val_paths=[{d}/tiny.txt]"],
+     ["val split holds 2 tokens (data.val_paths)", "add data to data.val_paths"]),
     (["data.on_bad_record=ignore"], ["data.on_bad_record='ignore'", "'skip'"]),
     (["data.workers=0"], ["data.workers=0 must be > 0", "data.workers=4"]),
     (["data.shard_bytes=0"], ["data.shard_bytes=0 must be > 0", "data.shard_bytes=64000000"]),
@@ -322,6 +328,9 @@ def test_predicted_split_is_what_prepare_writes(tmp_path):
                           cache_dir=str(tmp_path / "cache"))
         cfg = make_config(["train=debug"], run_dir=tmp_path)
         assert predicted_split(data) == tokens_of(cfg, prepare(data)), shard_bytes
+    data = DataConfig(source="files", paths=(str(tmp_path / "[23].txt"),),
+                      val_paths=(str(tmp_path / "[01].txt"),), cache_dir=str(tmp_path / "c"))
+    assert predicted_split(data) == tokens_of(cfg, prepare(data)) == (3702, 2)
 
 
 def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):

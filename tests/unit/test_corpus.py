@@ -121,3 +121,22 @@ def test_text_files_are_whole_documents_and_uncapped(tmp_path):
     out = prepare(data_config(tmp_path, [tmp_path / "*.txt"], max_bytes=10))
     tokens, meta = all_tokens(out)
     assert tokens == framed("x" * 50) and meta["skipped_empty"] == 1
+
+
+def test_val_paths_are_the_val_split(tmp_path):
+    """data.val_paths: the val split is exactly those files' documents (no val_fraction cut)."""
+    (tmp_path / "train.jsonl").write_bytes(jsonl_lines({"text": "t1"}, {"text": "t2"}))
+    (tmp_path / "val.jsonl").write_bytes(jsonl_lines({"text": "v1"}, {"text": ""}))
+    out = prepare(data_config(tmp_path, [tmp_path / "train.jsonl"], format="jsonl",
+                              val_paths=(str(tmp_path / "val.jsonl"),)))
+    meta = json.loads((out / "meta.json").read_text())
+    split = {s: np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist()
+             for s in ("train", "val")}
+    assert split == {"train": framed("t1", "t2"), "val": framed("v1")}
+    assert (meta["train_documents"], meta["val_documents"], meta["val_from"]) == (
+        2, 1, "val_paths")
+    assert np.fromfile(out / "val.idx", dtype=np.int64).tolist() == [2]
+    (tmp_path / "val.jsonl").write_bytes(jsonl_lines({"text": "v2 changed"}))
+    again = prepare(data_config(tmp_path, [tmp_path / "train.jsonl"], format="jsonl",
+                                val_paths=(str(tmp_path / "val.jsonl"),)))
+    assert again != out and all_tokens(again)[0] == framed("t1", "t2", "v2 changed")
