@@ -126,8 +126,10 @@ def _cache_key(data: DataConfig, files: list[Path]) -> str:
         if f is None:
             h.update(b"val_paths")
             continue
-        st = f.stat()
-        h.update(f"{f}:{st.st_size}:{int(st.st_mtime)}".encode())
+        # an hf dataset is a directory: each of its files counts
+        for g in sorted(f.rglob("*")) if f.is_dir() else [f]:
+            st = g.stat()
+            h.update(f"{g}:{st.st_size}:{int(st.st_mtime)}".encode())
     return h.hexdigest()[:16]
 
 

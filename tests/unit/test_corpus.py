@@ -73,6 +73,11 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     datasets.Dataset.from_dict({"text": ["hello", "world"]}).save_to_disk(tmp_path / "ds")
     out = prepare(data_config(tmp_path, [tmp_path / "ds"], format="hf"))
     assert all_tokens(out)[0] == framed("hello", "world")
+    datasets.Dataset.from_dict({"text": ["saved again"]}).save_to_disk(tmp_path / "ds2")
+    for name in ("data-00000-of-00001.arrow", "state.json", "dataset_info.json"):
+        (tmp_path / "ds2" / name).replace(tmp_path / "ds" / name)  # new contents, same dir
+    assert all_tokens(prepare(data_config(tmp_path, [tmp_path / "ds"], format="hf")))[0] == \
+        framed("saved again")
 
 
 def _corrupt_gzip(path):
