@@ -136,12 +136,23 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class Corpus:
+    """One corpus of data.mixture: its files (read like data.paths) and its weight."""
+
+    paths: tuple[str, ...]
+    weight: float
+
+
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "stdlib"
     # stdlib: this Python's standard-library sources (capped at max_bytes); files: data.paths
     # (files, globs or directories of shards, read as data.format); tokens: a prepared directory.
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
+    # Weighted corpora instead of data.paths: [{paths: [...], weight: 0.7}, ...]; corpus i makes
+    # weight_i / Σ weights of the train tokens (hpctrain.data.mixture).
+    mixture: tuple[Corpus, ...] = ()
     # The val split from its own files (read like paths); empty: the last val_fraction of the
     # token stream.
     val_paths: tuple[str, ...] = ()

@@ -295,7 +295,8 @@ def reads_data(c: Config) -> bool:
 INPUTS: dict[Check, tuple[str, ...]] = {
     check_local_nodes: ("cluster.nodes", "cluster.launcher"),
     check_resume: ("train.resume",),
-    check_data_paths: ("data.paths", "data.source", "data.format", "data.val_paths"),
+    check_data_paths: ("data.paths", "data.source", "data.format", "data.val_paths",
+                       "data.mixture"),
     check_format: ("data.format", "data.paths"),
     check_tokenizer: ("data.tokenizer", "data.tokenizer_path", "data.bos_token",
                       "data.eod_token"),

@@ -13,6 +13,7 @@ import difflib
 import glob
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -54,11 +55,14 @@ def check_data_paths(c: Config) -> list[str]:
     """data.paths of files/tokens: present, readable files (or directories of shards; for
     data.format=hf, directories saved by `datasets`)."""
     d = c.data
-    if d.val_paths and d.source != "files":
-        return [f"data.val_paths reads files, but data.source={d.source}: set data=files (or "
-                "data=jsonl) with data.paths, or remove data.val_paths"]
+    for key in ("val_paths", "mixture"):
+        if getattr(d, key) and d.source != "files":
+            return [f"data.{key} reads files, but data.source={d.source}: set data=files (or "
+                    f"data=jsonl) with data.paths, or remove data.{key}"]
     if d.source == "stdlib":
         return []
+    if d.mixture:
+        return _mixture_problems(c)
     if not d.paths:
         return [f"data.source={d.source} needs data.paths (files, globs or directories): e.g. "
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
@@ -66,6 +70,24 @@ def check_data_paths(c: Config) -> list[str]:
         return _token_dir_problems(d.paths)
     return [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
             for pattern in patterns for e in _pattern_problems(pattern, d.format, key=key)]
+
+
+def _mixture_problems(c: Config) -> list[str]:
+    d = c.data
+    if d.paths:
+        return [f"data.paths={list(d.paths)} and data.mixture both name the corpus: give either "
+                "(data.paths=[] with data.mixture)"]
+    errs = []
+    for i, corpus in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        if not (corpus.weight > 0 and math.isfinite(corpus.weight)):
+            errs.append(f"{key}.weight={corpus.weight:g} must be > 0: e.g. {key}.weight=1")
+        if not corpus.paths:
+            errs.append(f"{key}.paths is empty: give its files, globs or directories")
+        errs += [e for p in corpus.paths for e in _pattern_problems(p, d.format,
+                                                                    key=f"{key}.paths")]
+    return errs + [e for p in d.val_paths
+                   for e in _pattern_problems(p, d.format, key="data.val_paths")]
 
 
 def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:

@@ -1,20 +1,46 @@
 """The last step of prepare: finished shards → `train.bin`/`val.bin`, their document indexes
-and `manifest.json`, streaming (bounded memory: one chunk of `CHUNK_TOKENS` ids at a time).
+and the manifest's file entries, streaming (bounded memory: `CHUNK_TOKENS` ids at a time).
 
-The token stream is the shards in order; the last `val_tokens` of it are the val split (as the
-single-file prepare always split it). `<split>.idx` holds the offsets of the split's eod tokens
-(hpctrain.data.packing). The manifest records for every file its size in bytes, sha256 and, for
+A `Stream` is a run of shards read as one token sequence. A split is a list of segments
+(stream, lo, hi): tokens [lo, hi) of the stream, written one after the other. Without a
+mixture the train split is [0, n_train) of the one stream and val the rest (as the single-file
+prepare always split it); with data.val_paths val is its own stream; a mixture repeats or cuts
+each corpus's stream (hpctrain.data.mixture). `<split>.idx` holds the offsets of the split's eod
+tokens (hpctrain.data.packing). Every file's entry records its size in bytes, sha256 and, for
 token files, the token count and largest token id, so a copy can be verified.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 CHUNK_TOKENS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Shards (path stems of <n>.bin/.idx) read as one sequence; `sizes`: tokens of each."""
+
+    stems: tuple[Path, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.sizes)
+
+    def ends(self) -> np.ndarray:
+        """Offsets (in the stream) of its eod tokens, from the shards' indexes."""
+        starts = np.cumsum((0, *self.sizes[:-1]))
+        parts = [np.fromfile(s.with_suffix(".idx"), dtype="<i8") + a
+                 for s, a in zip(self.stems, starts, strict=True)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+Segment = tuple[Stream, int, int]
 
 
 class _Out:
@@ -43,38 +69,35 @@ class _Out:
         return entry
 
 
-def assemble(shard_stems: list[Path], out_dir: Path, *, dtype: str, n_train: int) -> dict:
-    """Write train/val .bin and .idx into `out_dir` from the shards; return the manifest's
-    `files` entries (name → bytes, sha256, tokens and max_id or documents)."""
-    outs = {name: _Out(out_dir / name) for name in ("train.bin", "val.bin", "train.idx",
-                                                    "val.idx")}
-    start = 0  # global offset of the current shard
-    for stem in shard_stems:
-        tokens = _tokens(stem.with_suffix(".bin"), np.dtype(dtype).newbyteorder("<"))
-        for lo in range(0, len(tokens), CHUNK_TOKENS):
-            _split_write(tokens[lo:lo + CHUNK_TOKENS], start + lo, n_train, outs, tokens=True)
-        offsets = np.fromfile(stem.with_suffix(".idx"), dtype="<i8") + start
-        _split_write(offsets, None, n_train, outs, tokens=False)
-        start += len(tokens)
-        del tokens
-    return {name: out.done(tokens=name.endswith(".bin")) for name, out in outs.items()}
+def assemble(plan: dict[str, list[Segment]], out_dir: Path, *, dtype: str) -> dict:
+    """Write train/val .bin and .idx into `out_dir` from `plan` (split → segments); return
+    the files' entries (name → bytes, sha256, tokens and max_id or documents)."""
+    entries = {}
+    for split in ("train", "val"):
+        bin_out, idx_out = _Out(out_dir / f"{split}.bin"), _Out(out_dir / f"{split}.idx")
+        at = 0  # tokens written to this split so far
+        for stream, lo, hi in plan[split]:
+            _copy(stream, lo, hi, bin_out, idx_out, at=at, dtype=np.dtype(dtype))
+            at += hi - lo
+        entries[f"{split}.bin"] = bin_out.done(tokens=True)
+        entries[f"{split}.idx"] = idx_out.done(tokens=False)
+    return entries
 
 
-def _tokens(path: Path, dtype: np.dtype) -> np.ndarray:
-    if path.stat().st_size == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-def _split_write(values: np.ndarray, at: int | None, n_train: int, outs: dict, *,
-                 tokens: bool) -> None:
-    """Tokens starting at global offset `at` (or index offsets, tokens=False) into train/val."""
-    ext = "bin" if tokens else "idx"
-    if tokens:
-        cut = max(0, min(len(values), n_train - at))
-        train, val = values[:cut], values[cut:]
-    else:
-        train, val = values[values < n_train], (values[values >= n_train] - n_train)
-        val = val.astype("<i8")
-    outs[f"train.{ext}"].write(train, tokens=tokens)
-    outs[f"val.{ext}"].write(val, tokens=tokens)
+def _copy(stream: Stream, lo: int, hi: int, bin_out: _Out, idx_out: _Out, *, at: int,
+          dtype: np.dtype) -> None:
+    """Tokens [lo, hi) of `stream` (and their eod offsets, moved to `at`) to the outputs."""
+    start = 0  # the current shard's first token in the stream
+    for stem, size in zip(stream.stems, stream.sizes, strict=True):
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            tokens = np.memmap(stem.with_suffix(".bin"), dtype=dtype.newbyteorder("<"),
+                               mode="r")
+            for c in range(a - start, b - start, CHUNK_TOKENS):
+                bin_out.write(np.asarray(tokens[c:min(c + CHUNK_TOKENS, b - start)]),
+                              tokens=True)
+            del tokens
+            ends = np.fromfile(stem.with_suffix(".idx"), dtype="<i8") + start
+            ends = ends[(ends >= a) & (ends < b)]
+            idx_out.write((ends - lo + at).astype("<i8"), tokens=False)
+        start += size

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpctrain.config import DataConfig
-from hpctrain.data.assemble import assemble
+from hpctrain.data.assemble import Stream, assemble
+from hpctrain.data.mixture import mixture_plan, single_plan
 from hpctrain.data.records import list_inputs, records
 from hpctrain.data.shards import ShardStats, Unit, finished, write_shard
 from hpctrain.data.tokenizer import BYTE_EOD, TokenizerSpec, load
@@ -48,6 +49,8 @@ def source_files(data: DataConfig) -> list[Path]:
     if data.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if data.mixture:
+        return [f for corpus in data.mixture for f in list_inputs(corpus.paths, data.format)]
     return list_inputs(data.paths, data.format)
 
 
@@ -101,7 +104,8 @@ def predicted_split(data: DataConfig) -> tuple[int, int] | None:
     """The (train, val) token counts `prepare` will produce, computed from file sizes without
     reading them (byte-level text files: a file is its bytes + eod, an empty one is skipped);
     None where that needs more (other formats and tokenizers, or the whole stdlib)."""
-    if data.source != "files" or data.tokenizer != "byte" or data.format != "text":
+    if (data.source != "files" or data.tokenizer != "byte" or data.format != "text"
+            or data.mixture):
         return None
     def tokens(files: list[Path]) -> int:
         sizes = [f.stat().st_size for f in files]
@@ -119,6 +123,7 @@ def _cache_key(data: DataConfig, files: list[Path]) -> str:
              data.tokenizer, data.bos_token, data.eod_token, data.val_fraction, data.shard_bytes]
     parts += [data.bpe_vocab_size] if data.tokenizer == "bpe" else []
     parts += [data.max_bytes] if data.source == "stdlib" else []
+    parts += [data.mixture] if data.mixture else []  # its paths and weights
     parts += [load(spec).sha256] if spec.path else []
     for part in parts:
         h.update(repr(part).encode())
@@ -180,35 +185,60 @@ def _build(data: DataConfig, files: list[Path], out: Path) -> None:
     spec = tokenizer_spec(data, work)
     encoder = load(spec)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
-    units = _units(data, inputs, work / "shards", spec, dtype)
-    val_inputs = [(str(f), None) for f in val_files(data)]
-    val_units = _units(data, val_inputs, work / "shards", spec, dtype, first=len(units))
+    groups = _input_groups(data, inputs)  # one per corpus, then the val files (if any)
+    units: list[list[Unit]] = []
+    for group in groups:
+        units.append(_units(data, group, work / "shards", spec, dtype,
+                            first=sum(map(len, units))))
     start = time.monotonic()
-    stats = _run_units(units + val_units, workers=data.workers)
-    if data.val_paths:  # the val split is its own files' shards, after the train split's
-        n_train = sum(finished(u).tokens for u in units)
-    else:
-        n_train = split_sizes(stats.tokens, data.val_fraction)[0]
-    files_entry = assemble([u.stem for u in units + val_units], work, dtype=dtype,
-                           n_train=n_train)
+    stats = _run_units([u for g in units for u in g], workers=data.workers)
+    streams = [Stream(tuple(u.stem for u in g), tuple(finished(u).tokens for u in g))
+               for g in units]
+    plan, report = _plan(data, streams)
+    files_entry = assemble(plan, work, dtype=dtype)
     (work / "manifest.json").write_text(json.dumps({
-        "files": files_entry, "shards": len(units) + len(val_units),
-        "inputs": [{"path": p, "bytes": os.path.getsize(p)} for p, _ in inputs + val_inputs]},
+        "files": files_entry, "shards": sum(map(len, units)),
+        "inputs": [{"path": p, "bytes": os.path.getsize(p)} for g in groups for p, _ in g]},
         indent=2))
-    meta = _meta(data, encoder, stats, files_entry, dtype=dtype, n_train=n_train)
-    (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    meta = _meta(data, encoder, stats, files_entry, dtype=dtype)
+    (work / "meta.json").write_text(json.dumps({**meta, **report}, indent=2))
     shutil.rmtree(work / "shards")  # concatenated into train/val: not kept twice
     work.rename(out)
     _summary(stats, out, seconds=time.monotonic() - start)
 
 
-def _meta(data: DataConfig, encoder, stats: ShardStats, files: dict, *, dtype: str,
-          n_train: int) -> dict:
-    return {"dtype": dtype, "train_tokens": n_train, "val_tokens": stats.tokens - n_train,
+def _input_groups(data: DataConfig, inputs: list[tuple[str, int | None]]
+                  ) -> list[list[tuple[str, int | None]]]:
+    """The inputs as streams: each corpus of data.mixture (or all inputs), then data.val_paths."""
+    groups = [inputs]
+    if data.mixture:
+        groups = [[(str(f), None) for f in list_inputs(c.paths, data.format)]
+                  for c in data.mixture]
+    if data.val_paths:
+        groups.append([(str(f), None) for f in val_files(data)])
+    return groups
+
+
+def _plan(data: DataConfig, streams: list[Stream]) -> tuple[dict, dict]:
+    """The splits' segments (hpctrain.data.mixture) and what meta.json reports of them."""
+    val = streams.pop() if data.val_paths else None
+    if data.mixture:
+        plan, corpora = mixture_plan(streams, [c.weight for c in data.mixture],
+                                     val_fraction=data.val_fraction, val=val)
+        for corpus, row in zip(data.mixture, corpora, strict=True):
+            row["paths"] = list(corpus.paths)
+        return plan, {"mixture": corpora}
+    n_train = split_sizes(streams[0].tokens, data.val_fraction)[0]
+    return single_plan(streams[0], n_train=n_train, val=val), {}
+
+
+def _meta(data: DataConfig, encoder, stats: ShardStats, files: dict, *, dtype: str) -> dict:
+    return {"dtype": dtype, "train_tokens": files["train.bin"]["tokens"],
+            "val_tokens": files["val.bin"]["tokens"],
             "vocab_size": encoder.vocab_size, "eod": encoder.eod_id, "bos": encoder.bos_id,
             "eod_token": encoder.eod_token, "bos_token": encoder.bos_token,
             "tokenizer": data.tokenizer, "tokenizer_sha256": encoder.sha256,
-            "documents": stats.documents, "skipped_empty": stats.empty,
+            "documents": stats.documents, "skipped_empty": stats.empty,  # in the inputs
             "skipped_bad": stats.bad, "input_bytes": stats.input_bytes,
             "source": data.source, "format": input_format(data),
             "val_from": "val_paths" if data.val_paths else "val_fraction",
@@ -228,8 +258,9 @@ def _units(data: DataConfig, inputs: list[tuple[str, int | None]], shard_dir: Pa
             size = 0
         groups[-1].append((path, limit))
         size += os.path.getsize(path) if limit is None else limit
+    groups = [g for g in groups if g]
     return [Unit(first + i, tuple(g), str(shard_dir), input_format(data), data.text_key,
-                 data.on_bad_record, spec, dtype) for i, g in enumerate(groups) if g]
+                 data.on_bad_record, spec, dtype) for i, g in enumerate(groups)]
 
 
 def _run_units(units: list[Unit], *, workers: int) -> ShardStats:

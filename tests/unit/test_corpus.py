@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from hpctrain.config import DataConfig
+from hpctrain.config import Corpus, DataConfig
 from hpctrain.data.prepare import BYTE_EOD, prepare
 
 
@@ -145,3 +145,28 @@ def test_val_paths_are_the_val_split(tmp_path):
     again = prepare(data_config(tmp_path, [tmp_path / "train.jsonl"], format="jsonl",
                                 val_paths=(str(tmp_path / "val.jsonl"),)))
     assert again != out and all_tokens(again)[0] == framed("t1", "t2", "v2 changed")
+
+
+def test_mixture_weights_repeat_or_cut_whole_documents(tmp_path):
+    """a: 10 documents of 5 tokens, b: 10 of 10; val_fraction 0.1 keeps 5 and 10 tokens back
+    (train parts 45 and 90, L = 135). Weights 2:1 ask 90 and 45 train tokens: a twice, b's
+    first 4 whole documents (40 tokens)."""
+    (tmp_path / "a.jsonl").write_bytes(jsonl_lines(*[{"text": "aaaa"}] * 10))
+    (tmp_path / "b.jsonl").write_bytes(jsonl_lines(*[{"text": "b" * 9}] * 10))
+    mixture = (Corpus(paths=(str(tmp_path / "a.jsonl"),), weight=2.0),
+               Corpus(paths=(str(tmp_path / "b.jsonl"),), weight=1.0))
+    out = prepare(data_config(tmp_path, [], format="jsonl", mixture=mixture))
+    meta = json.loads((out / "meta.json").read_text())
+    split = {s: np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist()
+             for s in ("train", "val")}
+    assert split["train"] == framed(*["aaaa"] * 18, *["b" * 9] * 4)
+    assert split["val"] == framed("aaaa", "b" * 9)
+    assert [(m["train_tokens"], round(m["share"], 4)) for m in meta["mixture"]] == [
+        (90, round(90 / 130, 4)), (40, round(40 / 130, 4))]
+    assert (meta["train_documents"], meta["val_documents"]) == (22, 2)
+    idx = np.fromfile(out / "train.idx", dtype=np.int64)
+    assert idx.tolist() == np.flatnonzero(np.array(split["train"]) == BYTE_EOD).tolist()
+    even = (Corpus(paths=mixture[0].paths, weight=1.0), mixture[1])
+    again = prepare(data_config(tmp_path, [], format="jsonl", mixture=even))  # other weights
+    assert again != out and json.loads((again / "meta.json").read_text())["mixture"][0][
+        "train_tokens"] == 65  # round(135 / 2) = 68: a once (45), then 4 whole documents (20)
