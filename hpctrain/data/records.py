@@ -28,7 +28,9 @@ from pathlib import Path
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
 SUFFIXES = {  # what a directory of shards contributes, per format (text: every file)
-    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst"),
+    # plain .json is left out: in a directory it is more often metadata (state.json) than
+    # JSON Lines; name such files explicitly or by a glob
+    "jsonl": (".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst"),
     "parquet": (".parquet",),
 }
 BATCH_ROWS = 1024
@@ -117,7 +119,7 @@ def _jsonl(path: Path, text_key: str) -> Iterator[Record]:
 
 def _json_record(where: str, line: bytes, text_key: str) -> Record:
     try:
-        obj = json.loads(line.decode("utf-8"))
+        obj = json.loads(line.decode("utf-8").lstrip("\ufeff"))  # a byte-order mark
     except UnicodeDecodeError as err:
         return Record(where, None, f"not UTF-8 ({err.reason} at byte {err.start})")
     except json.JSONDecodeError as err:

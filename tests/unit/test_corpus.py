@@ -37,11 +37,13 @@ def test_jsonl_plain_gz_zst_directory_in_order_empty_skipped(tmp_path):
     zstandard = pytest.importorskip("zstandard")
     shards = tmp_path / "shards"
     shards.mkdir()
-    (shards / "a.jsonl").write_bytes(jsonl_lines({"text": "alpha", "id": 1}, {"text": ""}))
+    (shards / "a.jsonl").write_bytes(b"\xef\xbb\xbf" +  # a byte-order mark
+                                     jsonl_lines({"text": "alpha", "id": 1}, {"text": ""}))
     (shards / "b.jsonl.gz").write_bytes(gzip.compress(b"\n" + jsonl_lines({"text": "béta"})))
     (shards / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
         jsonl_lines({"text": "gamma"}, {"text": "delta"})))
     (shards / "README.md").write_text("not a shard")
+    (shards / "state.json").write_text('{"not": "a shard"}')
     out = prepare(data_config(tmp_path, [shards], format="jsonl"))
     tokens, meta = all_tokens(out)
     assert tokens == framed("alpha", "béta", "gamma", "delta")
