@@ -107,6 +107,7 @@ def predicted_split(data: DataConfig) -> tuple[int, int] | None:
     if (data.source != "files" or data.tokenizer != "byte" or data.format != "text"
             or data.mixture):
         return None
+
     def tokens(files: list[Path]) -> int:
         sizes = [f.stat().st_size for f in files]
         return sum(sizes) + sum(1 for s in sizes if s)
