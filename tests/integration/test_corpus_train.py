@@ -12,7 +12,7 @@ import sys
 
 from hpctrain.metrics.logger import read_jsonl
 from tests.conftest import ROOT
-from tests.unit.tokenizer_files import hf_tokenizer_dir
+from tests.unit.tokenizer_files import hf_tokenizer_dir, tiktoken_file
 
 SMALL = ["model=debug", "train=debug", "train.steps=4", "logger.wandb=disabled",
          "logger.progress=plain", "data.val_fraction=0.2"]
@@ -42,6 +42,19 @@ def test_train_on_jsonl_with_a_pretrained_tokenizer(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     meta = json.loads(next((tmp_path / "cache" / "data").glob("*/meta.json")).read_text())
     assert (meta["tokenizer"], meta["bos_token"], meta["eod_token"]) == ("hf", "<s>", "</s>")
+
+
+def test_train_reads_uint32_tokens_of_a_tiktoken_vocabulary(tmp_path):
+    """cl100k's end-of-text id 100257 needs uint32 token files; the trainer reads them."""
+    rank_file = tiktoken_file(tmp_path / "cl100k_base.tiktoken")
+    proc, out = _run([f"data.paths=[{_corpus(tmp_path / 'c.jsonl')}]", "data.tokenizer=tiktoken",
+                      f"data.tokenizer_path={rank_file}", "data.eod_token='<|endoftext|>'",
+                      "model.vocab_size=100352"], tmp_path)
+    assert proc.returncode == 0, out[-3000:]
+    meta = json.loads(next((tmp_path / "cache" / "data").glob("*/meta.json")).read_text())
+    assert (meta["dtype"], meta["eod"], meta["vocab_size"]) == ("uint32", 100257, 100277)
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
 def test_bad_record_refused_before_any_rank(tmp_path):
