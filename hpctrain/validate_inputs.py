@@ -122,9 +122,16 @@ def check_format(c: Config) -> list[str]:
     if d.format == "jsonl" and any(p.name.endswith(".zst")
                                    for p in list_inputs(d.paths + d.val_paths, d.format)):
         need.append("zstandard")
-    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    missing = [m for m in need if not _installed(m)]
     extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA
     return [f"data.format={d.format} needs {', '.join(missing)}: {extra}"] if missing else []
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
 
 
 def check_tokenizer(c: Config) -> list[str]:
@@ -133,7 +140,7 @@ def check_tokenizer(c: Config) -> list[str]:
     if d.source == "tokens":
         return []
     if d.tokenizer == "bpe":
-        missing = importlib.util.find_spec("tokenizers") is None
+        missing = not _installed("tokenizers")
         return [f"data.tokenizer=bpe needs the tokenizers package: {EXTRA}"] if missing else []
     try:
         prep.tokenizer_vocab(d)

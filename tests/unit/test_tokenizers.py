@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -99,3 +101,30 @@ def test_tokenizer_mistakes_name_the_key_and_fix(tmp_path, kw, words):
         tokenizer_vocab(data_config(tmp_path, [], **kw))
     for word in words:
         assert word in str(info.value), str(info.value)
+
+
+def test_a_missing_extra_is_named_before_launch(tmp_path, monkeypatch):
+    """Without the data/hf extras the default run still works, and each key that needs one is
+    refused naming the pip command."""
+    from tests.conftest import make_config
+
+    for module in ("tokenizers", "tiktoken", "tiktoken_ext", "pyarrow", "zstandard", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    (tmp_path / "a.jsonl.zst").write_bytes(b"")
+    (tmp_path / "p.parquet").write_bytes(b"")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "dataset_info.json").write_text("{}")
+    tiktoken_file(tmp_path / "cl100k_base.tiktoken")
+    make_config(["train=debug"], run_dir=tmp_path)
+    cases = [(["data=files", "data.format=jsonl", f"data.paths=[{tmp_path}/a.jsonl.zst]"],
+              "data.format=jsonl needs zstandard: pip install 'hpctrain[data]'"),
+             (["data=files", "data.format=parquet", f"data.paths=[{tmp_path}/p.parquet]"],
+              "data.format=parquet needs pyarrow: pip install 'hpctrain[data]'"),
+             (["data=files", "data.format=hf", f"data.paths=[{tmp_path}/ds]"],
+              "data.format=hf needs datasets: pip install 'hpctrain[hf]'"),
+             (["data.tokenizer=tiktoken", f"data.tokenizer_path={tmp_path}/cl100k_base.tiktoken"],
+              "data.tokenizer=tiktoken needs the tiktoken package: pip install 'hpctrain[data]'"),
+             (["data.tokenizer=bpe"], "data.tokenizer=bpe needs the tokenizers package")]
+    for overrides, text in cases:
+        with pytest.raises(ValueError, match=re.escape(text)):
+            make_config(overrides, run_dir=tmp_path)
