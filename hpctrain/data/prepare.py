@@ -7,8 +7,9 @@ tokens, hpctrain.data.packing) that dynamic batching reads; `manifest.json` hold
 size, sha256, token count and largest id (hpctrain.data.assemble).
 
 Streaming and parallel: the inputs (data.format, hpctrain.data.records) are cut into units of
-about data.shard_bytes of input, each tokenised into its own shard by one of data.workers
-processes (hpctrain.data.shards), then the shards are concatenated in order. A shard depends only
+about data.shard_bytes of input (runs of files; a plain JSON Lines file larger than that is cut
+into byte ranges), each tokenised into its own shard by one of data.workers processes
+(hpctrain.data.shards), then the shards are concatenated in order. A shard depends only
 on its unit, so the output is byte-identical whatever the number of workers. Finished shards
 survive an interruption (in `<key>.partial/`): running again resumes.
 
@@ -34,8 +35,8 @@ from pathlib import Path
 from hpctrain.config import DataConfig
 from hpctrain.data.assemble import Stream, assemble
 from hpctrain.data.mixture import mixture_plan, single_plan
-from hpctrain.data.records import list_inputs, records
-from hpctrain.data.shards import ShardStats, Unit, finished, write_shard
+from hpctrain.data.records import list_inputs, records, splittable
+from hpctrain.data.shards import Input, ShardStats, Unit, finished, input_bytes, write_shard
 from hpctrain.data.tokenizer import BYTE_EOD, TokenizerSpec, load
 
 log = logging.getLogger(__name__)
@@ -63,17 +64,17 @@ def input_format(data: DataConfig) -> str:
     return "text" if data.source == "stdlib" else data.format
 
 
-def _limits(data: DataConfig, files: list[Path]) -> list[tuple[str, int | None]]:
-    """(file, byte limit): data.max_bytes caps the stdlib default only (whole files after it
-    are dropped); files are read whole."""
+def _limits(data: DataConfig, files: list[Path]) -> list[Input]:
+    """The inputs (path, 0, end byte): data.max_bytes caps the stdlib default only (whole
+    files after it are dropped); files are read whole."""
     if data.source != "stdlib":
-        return [(str(f), None) for f in files]
+        return [(str(f), 0, None) for f in files]
     out, total = [], 0
     for f in files:
         if total >= data.max_bytes:
             break
         take = min(f.stat().st_size, data.max_bytes - total)
-        out.append((str(f), take))
+        out.append((str(f), 0, take))
         total += take
     return out
 
@@ -199,7 +200,8 @@ def _build(data: DataConfig, files: list[Path], out: Path) -> None:
     files_entry = assemble(plan, work, dtype=dtype)
     (work / "manifest.json").write_text(json.dumps({
         "files": files_entry, "shards": sum(map(len, units)),
-        "inputs": [{"path": p, "bytes": os.path.getsize(p)} for g in groups for p, _ in g]},
+        "inputs": [{"path": p, "bytes": os.path.getsize(p)}
+                   for p in dict.fromkeys(p for g in groups for p, _, _ in g)]},
         indent=2))
     meta = _meta(data, encoder, stats, files_entry, dtype=dtype)
     (work / "meta.json").write_text(json.dumps({**meta, **report}, indent=2))
@@ -208,15 +210,14 @@ def _build(data: DataConfig, files: list[Path], out: Path) -> None:
     _summary(stats, out, seconds=time.monotonic() - start)
 
 
-def _input_groups(data: DataConfig, inputs: list[tuple[str, int | None]]
-                  ) -> list[list[tuple[str, int | None]]]:
+def _input_groups(data: DataConfig, inputs: list[Input]) -> list[list[Input]]:
     """The inputs as streams: each corpus of data.mixture (or all inputs), then data.val_paths."""
     groups = [inputs]
     if data.mixture:
-        groups = [[(str(f), None) for f in list_inputs(c.paths, data.format)]
+        groups = [[(str(f), 0, None) for f in list_inputs(c.paths, data.format)]
                   for c in data.mixture]
     if data.val_paths:
-        groups.append([(str(f), None) for f in val_files(data)])
+        groups.append([(str(f), 0, None) for f in val_files(data)])
     return groups
 
 
@@ -247,21 +248,34 @@ def _meta(data: DataConfig, encoder, stats: ShardStats, files: dict, *, dtype: s
             "val_documents": files["val.idx"]["documents"]}
 
 
-def _units(data: DataConfig, inputs: list[tuple[str, int | None]], shard_dir: Path,
-           spec: TokenizerSpec, dtype: str, *, first: int = 0) -> list[Unit]:
-    """Consecutive inputs grouped until each group holds ≥ data.shard_bytes (deterministic:
-    it depends on the inputs only, never on data.workers)."""
-    groups: list[list[tuple[str, int | None]]] = [[]]
+def _units(data: DataConfig, inputs: list[Input], shard_dir: Path, spec: TokenizerSpec,
+           dtype: str, *, first: int = 0) -> list[Unit]:
+    """Consecutive inputs grouped until each group holds ≥ data.shard_bytes, a plain JSON Lines
+    file larger than that cut into ranges of data.shard_bytes first (deterministic: it depends
+    on the inputs only, never on data.workers)."""
+    groups: list[list[Input]] = [[]]
     size = 0
-    for path, limit in inputs:
+    for piece in _pieces(inputs, data):
         if size >= data.shard_bytes:
             groups.append([])
             size = 0
-        groups[-1].append((path, limit))
-        size += os.path.getsize(path) if limit is None else limit
+        groups[-1].append(piece)
+        size += input_bytes(piece)
     groups = [g for g in groups if g]
     return [Unit(first + i, tuple(g), str(shard_dir), input_format(data), data.text_key,
                  data.on_bad_record, spec, dtype) for i, g in enumerate(groups)]
+
+
+def _pieces(inputs: list[Input], data: DataConfig) -> list[Input]:
+    out = []
+    for path, start, stop in inputs:
+        end = os.path.getsize(path) if stop is None else stop
+        if end - start <= data.shard_bytes or not splittable(Path(path), input_format(data)):
+            out.append((path, start, stop))
+            continue
+        out += [(path, a, min(a + data.shard_bytes, end))
+                for a in range(start, end, data.shard_bytes)]
+    return out
 
 
 def _run_units(units: list[Unit], *, workers: int) -> ShardStats:
@@ -298,8 +312,7 @@ class _Progress:
 
     def __init__(self, units: list[Unit]):
         self.start = self.last = time.monotonic()
-        self.total_bytes = sum(os.path.getsize(p) if n is None else n
-                               for u in units for p, n in u.files)
+        self.total_bytes = sum(input_bytes(item) for u in units for item in u.files)
         self.docs = self.tokens = self.bytes = 0
 
     def update(self, total: ShardStats, stats: ShardStats) -> None:
@@ -324,7 +337,7 @@ def _summary(stats: ShardStats, out: Path, *, seconds: float) -> None:
              stats.input_bytes, seconds, out)
 
 
-def _train_bpe(data: DataConfig, inputs: list[tuple[str, int | None]], work: Path) -> None:
+def _train_bpe(data: DataConfig, inputs: list[Input], work: Path) -> None:
     """Train a byte-level BPE of data.bpe_vocab_size on the inputs' text (streamed)."""
     # Optional (the `data` extra): only data.tokenizer=bpe needs it.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -337,8 +350,9 @@ def _train_bpe(data: DataConfig, inputs: list[tuple[str, int | None]], work: Pat
     fmt = input_format(data)
 
     def texts():
-        for path, limit in inputs:
-            for rec in records(Path(path), fmt, text_key=data.text_key, limit=limit):
+        for path, start, stop in inputs:
+            for rec in records(Path(path), fmt, text_key=data.text_key, start=start,
+                               stop=stop):
                 if rec.problem is None and rec.text:  # bad records: the shard pass reports
                     t = rec.text
                     yield t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t

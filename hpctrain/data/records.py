@@ -63,13 +63,21 @@ def _expand(path: Path, fmt: str) -> list[Path]:
             and (suffixes is None or p.name.endswith(suffixes))]
 
 
-def records(path: Path, fmt: str, *, text_key: str, limit: int | None = None
+def splittable(path: Path, fmt: str) -> bool:
+    """Whether `records` can read byte ranges of this input (plain JSON Lines)."""
+    return fmt == "jsonl" and not path.name.endswith((".gz", ".zst"))
+
+
+def records(path: Path, fmt: str, *, text_key: str, start: int = 0, stop: int | None = None
             ) -> Iterator[Record]:
-    """Every record of one input (module doc). `limit` (text only): read at most this many
-    bytes (the stdlib default's data.max_bytes cap)."""
+    """Every record of one input (module doc). text: at most `stop` bytes (the stdlib
+    default's data.max_bytes cap); plain JSON Lines (`splittable`): the lines that begin in
+    bytes [start, stop), so consecutive ranges read every line once."""
     if fmt == "text":
         with open(path, "rb") as f:
-            yield Record("", f.read() if limit is None else _whole_chars(f.read(limit)))
+            yield Record("", f.read() if stop is None else _whole_chars(f.read(stop)))
+    elif fmt == "jsonl" and (start or stop is not None):
+        yield from _jsonl_range(path, text_key, start, stop)
     elif fmt == "jsonl":
         yield from _jsonl(path, text_key)
     elif fmt == "parquet":
@@ -115,6 +123,40 @@ def _jsonl(path: Path, text_key: str) -> Iterator[Record]:
             yield Record(f"line {n + 1}", None, f"unreadable compressed stream ({err})")
         else:
             raise
+
+
+def _jsonl_range(path: Path, text_key: str, start: int, stop: int | None) -> Iterator[Record]:
+    """The lines of a plain JSON Lines file that begin in [start, stop); a bad record's line
+    number is counted from the file's start (only then: it reads the bytes before)."""
+    with open(path, "rb") as f:
+        if start:
+            f.seek(start - 1)
+            f.readline()  # the end of a line that began before `start`
+        first = pos = f.tell()
+        base, n = None, 0
+        while stop is None or pos < stop:
+            line = f.readline()
+            if not line:
+                break
+            n, pos = n + 1, pos + len(line)
+            if line.strip():
+                rec = _json_record("", line, text_key)
+                if rec.problem is not None:
+                    base = _lines_before(path, first) if base is None else base
+                    rec = Record(f"line {base + n}", None, rec.problem)
+                yield rec
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """Newlines in the first `offset` bytes of `path`."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            count, offset = count + chunk.count(b"\n"), offset - len(chunk)
+    return count
 
 
 def _json_record(where: str, line: bytes, text_key: str) -> Record:

@@ -1,4 +1,5 @@
-"""One work unit of prepare: a run of input files tokenised into one shard, streaming.
+"""One work unit of prepare: a run of inputs (files or byte ranges of a plain JSON Lines file)
+tokenised into one shard, streaming.
 
 A shard is `<n>.bin` (the framed documents' token ids, little-endian uint16 or uint32),
 `<n>.idx` (int64 offsets of its eod tokens) and `<n>.json` (its statistics, written last: a
@@ -27,12 +28,20 @@ log = logging.getLogger(__name__)
 FLUSH_TOKENS = 1 << 20
 
 
+Input = tuple[str, int, int | None]  # path, first byte, end byte (None: the file's end)
+
+
+def input_bytes(item: Input) -> int:
+    path, start, stop = item
+    return (os.path.getsize(path) if stop is None else stop) - start
+
+
 @dataclass(frozen=True)
 class Unit:
-    """Input files (each with a byte limit or None) → shard `index` in `out_dir`."""
+    """Inputs (path, start, stop: a byte range, stop None for the end) → shard `index`."""
 
     index: int
-    files: tuple[tuple[str, int | None], ...]
+    files: tuple[Input, ...]
     out_dir: str
     fmt: str
     text_key: str
@@ -80,9 +89,10 @@ def write_shard(unit: Unit) -> ShardStats:
         return done
     encoder, stats = load(unit.tokenizer), ShardStats()
     sink = _Sink(unit.stem, np.dtype(unit.dtype), eod=encoder.eod_id)
-    for path, limit in unit.files:
-        stats.input_bytes += os.path.getsize(path) if limit is None else limit
-        for rec in records(Path(path), unit.fmt, text_key=unit.text_key, limit=limit):
+    for path, start, stop in unit.files:
+        stats.input_bytes += input_bytes((path, start, stop))
+        for rec in records(Path(path), unit.fmt, text_key=unit.text_key, start=start,
+                           stop=stop):
             text = _usable(rec, Path(path), unit, stats, wants_text=encoder.wants_text)
             if text is None:
                 continue

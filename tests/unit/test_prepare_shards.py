@@ -3,6 +3,7 @@ resumable after an interruption, a manifest that verifies every file, progress a
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -20,7 +21,8 @@ def _corpus(tmp_path, n=4):
     root.mkdir()
     for i in range(n):
         docs = [{"text": f"file {i} doc {j} " * (j + 1)} for j in range(3)] + [{"text": ""}]
-        (root / f"part-{i}.jsonl").write_bytes(jsonl_lines(*docs))
+        # compressed: a whole file is one unit at data.shard_bytes=1 (plain ones are cut)
+        (root / f"part-{i}.jsonl.gz").write_bytes(gzip.compress(jsonl_lines(*docs), mtime=0))
     return root
 
 
@@ -96,3 +98,21 @@ def test_task_prepare_runs_alone(tmp_path):
     result = tasks.run(cfg)
     assert result["documents"] == 3 and result["train_tokens"] > 0
     assert (tmp_path / "cache" / "data").is_dir() and "data_dir" in result
+
+
+def test_one_big_jsonl_file_is_cut_into_byte_ranges(tmp_path):
+    """A plain JSON Lines file larger than data.shard_bytes becomes several units (lines that
+    begin in each range): the same bytes as one unit, whatever the workers; a bad record in a
+    later range is named by its line number in the file."""
+    lines = [{"text": f"document {i} " + "x" * (i % 7)} for i in range(40)] + [{"text": ""}]
+    (tmp_path / "big.jsonl").write_bytes(jsonl_lines(*lines))
+    whole = prep.prepare(data_config(tmp_path / "a", [tmp_path / "big.jsonl"], format="jsonl"))
+    cut = prep.prepare(data_config(tmp_path / "b", [tmp_path / "big.jsonl"], format="jsonl",
+                                   shard_bytes=97, workers=2))
+    assert _files(whole) | {"manifest.json": b""} == _files(cut) | {"manifest.json": b""}
+    assert json.loads((cut / "manifest.json").read_text())["shards"] > 10
+    assert json.loads((cut / "meta.json").read_text())["skipped_empty"] == 1
+    (tmp_path / "big.jsonl").write_bytes(jsonl_lines(*lines[:33], {"txt": 1}, *lines[33:]))
+    with pytest.raises(ValueError, match="line 34"):
+        prep.prepare(data_config(tmp_path / "c", [tmp_path / "big.jsonl"], format="jsonl",
+                                 shard_bytes=97))
