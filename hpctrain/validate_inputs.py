@@ -120,7 +120,7 @@ def check_format(c: Config) -> list[str]:
         return []
     need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
     if d.format == "jsonl" and any(p.name.endswith(".zst")
-                                   for p in list_inputs(d.paths + d.val_paths, d.format)):
+                                   for p in prep.source_files(d) + prep.val_files(d)):
         need.append("zstandard")
     missing = [m for m in need if not _installed(m)]
     extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA

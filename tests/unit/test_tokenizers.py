@@ -118,6 +118,9 @@ def test_a_missing_extra_is_named_before_launch(tmp_path, monkeypatch):
     make_config(["train=debug"], run_dir=tmp_path)
     cases = [(["data=files", "data.format=jsonl", f"data.paths=[{tmp_path}/a.jsonl.zst]"],
               "data.format=jsonl needs zstandard: pip install 'hpctrain[data]'"),
+             (["data=files", "data.format=jsonl",
+               f"data.mixture=[{{paths:[{tmp_path}/a.jsonl.zst],weight:1}}]"],
+              "data.format=jsonl needs zstandard"),
              (["data=files", "data.format=parquet", f"data.paths=[{tmp_path}/p.parquet]"],
               "data.format=parquet needs pyarrow: pip install 'hpctrain[data]'"),
              (["data=files", "data.format=hf", f"data.paths=[{tmp_path}/ds]"],
