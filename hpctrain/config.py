@@ -134,20 +134,51 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 20
-    lr_schedule: Literal["cosine", "constant"] = "cosine"  # warmup, then decay to min_lr
+    # After the linear warmup (formulas: hpctrain.train.optim): cosine or linear decay to
+    # min_lr, constant, inv_sqrt (lr·sqrt(warmup/step)) or wsd (warmup-stable-decay: lr until
+    # the last decay_fraction of train.steps, then decay_shape down to min_lr).
+    lr_schedule: Literal["cosine", "linear", "wsd", "inv_sqrt", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd only
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"  # wsd only
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One corpus of data.mixture: its files (read like data.paths) and its weight."""
+
+    paths: tuple[str, ...]
+    weight: float
 
 
 @dataclass(frozen=True)
 class DataConfig:
     name: str = "stdlib"
-    # stdlib: this Python's standard-library sources; files: data.paths (text files/globs);
-    # tokens: a prepared directory.
+    # stdlib: this Python's standard-library sources (capped at max_bytes); files: data.paths
+    # (files, globs or directories of shards, read as data.format); tokens: a prepared directory.
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
-    tokenizer: Literal["byte", "bpe"] = "byte"  # bpe: trained locally with HF tokenizers
+    # Weighted corpora instead of data.paths: [{paths: [...], weight: 0.7}, ...]; corpus i makes
+    # weight_i / Σ weights of the train tokens (hpctrain.data.mixture).
+    mixture: tuple[Corpus, ...] = ()
+    # The val split from its own files (read like paths); empty: the last val_fraction of the
+    # token stream.
+    val_paths: tuple[str, ...] = ()
+    # text: a file is one document; jsonl: one JSON object per line (plain, .gz, .zst), its
+    # text_key field; parquet: the text_key column; hf: a datasets.save_to_disk directory.
+    format: Literal["text", "jsonl", "parquet", "hf"] = "text"
+    text_key: str = "text"
+    on_bad_record: Literal["error", "skip"] = "error"  # skip: skip and count bad records
+    # byte: UTF-8 bytes; bpe: trained locally; hf: a tokenizer.json (tokenizer_path: the file
+    # or its directory); tiktoken: a <encoding>.tiktoken file (tokenizer_path).
+    tokenizer: Literal["byte", "bpe", "hf", "tiktoken"] = "byte"
+    tokenizer_path: str | None = None
+    bos_token: str | None = None  # before each document; null: the tokenizer's own, '': none
+    eod_token: str | None = None  # after each document; null: the tokenizer's end-of-text
     bpe_vocab_size: int = 512
-    max_bytes: int = 4_000_000
+    max_bytes: int = 4_000_000  # caps source=stdlib only
     val_fraction: float = 0.01
+    workers: int = 1  # tokenizer processes of prepare (the output does not depend on it)
+    shard_bytes: int = 64_000_000  # input bytes per shard (prepare's unit of work and resume)
     cache_dir: str = "~/.cache/hpctrain"
     # documents: attention and RoPE positions stay inside each document; none: a row is one text
     packing: Literal["documents", "none"] = "documents"
@@ -164,13 +195,13 @@ class LoggerConfig:
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
 
 
-Task = Literal["train", "simulate", "bench", "plan"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare"]
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The `task` group: what `python -m hpctrain` does (task=plan and task=simulate run once,
-    with no ranks; train and bench run on every rank)."""
+    """The `task` group: what `python -m hpctrain` does (task=plan, simulate and prepare run
+    once, with no ranks; train and bench run on every rank)."""
 
     name: Task = "train"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -45,15 +46,21 @@ def plan_task(cfg: Config) -> dict[str, Any]:
     return run_plan(cfg)
 
 
+def prepare_task(cfg: Config) -> dict[str, Any]:
+    """Tokenise the data into the cache (hpctrain.data.prepare); returns its meta.json."""
+    out = prepare(cfg.data)
+    return {"data_dir": str(out), **json.loads((out / "meta.json").read_text())}
+
+
 # Analytical tasks run once in this process, with no ranks.
-ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task}
+ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task}
 
 
 def preflight(cfg: Config) -> None:
     """Prepare the inputs every rank reads, once, and check them: ValueError (before any rank
     starts) when the data is shorter than a batch. Slurm tasks find them prepared by the
     sweep callback, which runs the same check."""
-    if cfg.cluster.launcher == "slurm" or not reads_data(cfg):
+    if cfg.cluster.launcher == "slurm" or cfg.task in ONCE_TASKS or not reads_data(cfg):
         return
     check_prepared(cfg, prepare(cfg.data))
 

@@ -21,12 +21,15 @@ from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
+from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
     check_data_size,
+    check_format,
     check_resume,
+    check_tokenizer,
     check_vocab,
 )
 from hpctrain.validate_keys import (
@@ -87,12 +90,28 @@ def check_signal_delay(c: Config) -> list[str]:
 
 
 def check_optim(c: Config) -> list[str]:
+    """A decaying schedule decays down to min_lr, not up."""
     o = c.optim
-    if o.lr_schedule != "cosine" or o.min_lr <= o.lr:
+    if o.lr_schedule not in ("cosine", "linear", "wsd") or o.min_lr <= o.lr:
         return []
-    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the cosine schedule decays "
-            f"from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its peak; set "
-            f"optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the {o.lr_schedule} schedule "
+            f"decays from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its "
+            f"peak; set optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+
+
+def check_lr_schedule(c: Config) -> list[str]:
+    """inv_sqrt has a warmup; the wsd decay does not overlap the warmup."""
+    o, steps = c.optim, c.train.steps
+    if o.lr_schedule == "inv_sqrt" and o.warmup_steps < 1:
+        return ["optim.lr_schedule=inv_sqrt is lr·sqrt(warmup/step) and needs "
+                "optim.warmup_steps ≥ 1: set e.g. optim.warmup_steps=20"]
+    decay = wsd_decay_steps(o, steps)
+    if o.lr_schedule != "wsd" or steps - decay >= o.warmup_steps:
+        return []
+    most = (steps - o.warmup_steps) / steps
+    return [f"optim.decay_fraction={o.decay_fraction:g} of train.steps={steps} is {decay} decay "
+            f"steps, which overlap the optim.warmup_steps={o.warmup_steps}: set "
+            f"optim.decay_fraction at most {most:.3g} or fewer warmup steps"]
 
 
 def check_head_dim(c: Config) -> list[str]:
@@ -260,13 +279,13 @@ def check_cluster_spec(c: Config) -> list[str]:
 
 
 def reads_data(c: Config) -> bool:
-    """task=train and bench=train read the token cache (and resume checkpoints)."""
+    """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
         try:
             return needs_data(c)
         except ValueError:  # a bad bench group: check_bench reports it
             return False
-    return c.task == "train"
+    return c.task in ("train", "prepare")
 
 
 # Checks → the keys they read ("group." is every key of a group); the first is the key a
@@ -276,7 +295,11 @@ def reads_data(c: Config) -> bool:
 INPUTS: dict[Check, tuple[str, ...]] = {
     check_local_nodes: ("cluster.nodes", "cluster.launcher"),
     check_resume: ("train.resume",),
-    check_data_paths: ("data.paths", "data.source"),
+    check_data_paths: ("data.paths", "data.source", "data.format", "data.val_paths",
+                       "data.mixture"),
+    check_format: ("data.format", "data.paths"),
+    check_tokenizer: ("data.tokenizer", "data.tokenizer_path", "data.bos_token",
+                      "data.eod_token"),
     check_cache_dir: ("data.cache_dir", "data."),
 }
 _BATCH = ("train.global_batch_size", "train.micro_batch_size", "parallel.")
@@ -288,6 +311,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
                   "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
     check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
+    check_lr_schedule: ("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction",
+                        "train.steps"),
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
@@ -307,8 +332,10 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
-DATA_CHECKS = (check_resume, check_data_paths, check_cache_dir, check_vocab, check_data_size)
+DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
+               check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
+                             check_lr_schedule,
                              check_head_dim, check_model_shape, check_batch, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
                              check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
@@ -321,6 +348,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     # The planner predicts any layout, including ones this version cannot run yet.
     "plan": (check_cp, check_world, check_head_dim, check_model_shape, check_batch, check_schedule,
              check_plan),
+    # task=prepare tokenises the data once, no ranks: only what it reads and writes matters.
+    "prepare": (check_data_paths, check_format, check_tokenizer, check_cache_dir),
 }
 
 

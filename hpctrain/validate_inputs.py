@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import difflib
 import glob
+import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
 from hpctrain.config import Config, format_problems
 from hpctrain.data import prepare as prep
+from hpctrain.data.records import SUFFIXES, list_inputs
+from hpctrain.data.tokenizer import EXTRA
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
@@ -48,31 +52,100 @@ def check_resume(c: Config) -> list[str]:
 
 
 def check_data_paths(c: Config) -> list[str]:
-    """data.paths of files/tokens: present, files (not only directories), readable."""
+    """data.paths of files/tokens: present, readable files (or directories of shards; for
+    data.format=hf, directories saved by `datasets`)."""
     d = c.data
+    for key in ("val_paths", "mixture"):
+        if getattr(d, key) and d.source != "files":
+            return [f"data.{key} reads files, but data.source={d.source}: set data=files (or "
+                    f"data=jsonl) with data.paths, or remove data.{key}"]
     if d.source == "stdlib":
         return []
+    if d.mixture:
+        return _mixture_problems(c)
     if not d.paths:
-        return [f"data.source={d.source} needs data.paths (files or globs): e.g. "
+        return [f"data.source={d.source} needs data.paths (files, globs or directories): e.g. "
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
     if d.source == "tokens":
         return _token_dir_problems(d.paths)
-    return [e for pattern in d.paths for e in _pattern_problems(pattern)]
+    return [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
+            for pattern in patterns for e in _pattern_problems(pattern, d.format, key=key)]
 
 
-def _pattern_problems(pattern: str) -> list[str]:
+def _mixture_problems(c: Config) -> list[str]:
+    d = c.data
+    if d.paths:
+        return [f"data.paths={list(d.paths)} and data.mixture both name the corpus: give either "
+                "(data.paths=[] with data.mixture)"]
+    errs = []
+    for i, corpus in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        if not (corpus.weight > 0 and math.isfinite(corpus.weight)):
+            errs.append(f"{key}.weight={corpus.weight:g} must be > 0: e.g. {key}.weight=1")
+        if not corpus.paths:
+            errs.append(f"{key}.paths is empty: give its files, globs or directories")
+        errs += [e for p in corpus.paths for e in _pattern_problems(p, d.format,
+                                                                    key=f"{key}.paths")]
+    return errs + [e for p in d.val_paths
+                   for e in _pattern_problems(p, d.format, key="data.val_paths")]
+
+
+def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
     matches = glob.glob(os.path.expanduser(pattern))
-    files = [m for m in matches if os.path.isfile(m)]
+    files = list_inputs((pattern,), fmt)
     if not matches:
-        return [f"data.paths: no file matches {pattern}: check the path (globs such as "
+        return [f"{key}: no file matches {pattern}: check the path (globs such as "
                 "'dir/*.txt' are expanded)"]
+    if fmt == "hf":
+        bad = [m for m in matches if not (Path(m) / "dataset_info.json").is_file()]
+        return [f"{key}: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
+                "dataset_info.json): give that directory (one split), or another data.format"
+                ] if bad else []
     if not files:
-        return [f"data.paths: {pattern} matches only directories: give files or a glob such "
-                f"as '{pattern.rstrip('/')}/*.txt'"]
+        want = f"{'/'.join(SUFFIXES[fmt])} files" if fmt in SUFFIXES else "files"
+        return [f"{key}: {pattern} holds no {want} (data.format={fmt}): give files, "
+                f"directories of them or a glob such as '{pattern.rstrip('/')}/*"
+                f"{SUFFIXES.get(fmt, ('.txt',))[0]}'"]
     unreadable = [f for f in files if not os.access(f, os.R_OK)]
     if unreadable:
-        return [f"data.paths: {unreadable[0]} is not readable (permissions): fix them or drop "
-                "it from data.paths"]
+        return [f"{key}: {unreadable[0]} is not readable (permissions): fix them or drop "
+                f"it from {key}"]
+    return []
+
+
+def check_format(c: Config) -> list[str]:
+    """The optional packages data.format needs are installed."""
+    d = c.data
+    if d.source != "files":
+        return []
+    need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
+    if d.format == "jsonl" and any(p.name.endswith(".zst")
+                                   for p in prep.source_files(d) + prep.val_files(d)):
+        need.append("zstandard")
+    missing = [m for m in need if not _installed(m)]
+    extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA
+    return [f"data.format={d.format} needs {', '.join(missing)}: {extra}"] if missing else []
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
+
+
+def check_tokenizer(c: Config) -> list[str]:
+    """data.tokenizer loads (its file, its package, data.bos_token and data.eod_token)."""
+    d = c.data
+    if d.source == "tokens":
+        return []
+    if d.tokenizer == "bpe":
+        missing = not _installed("tokenizers")
+        return [f"data.tokenizer=bpe needs the tokenizers package: {EXTRA}"] if missing else []
+    try:
+        prep.tokenizer_vocab(d)
+    except ValueError as err:
+        return [str(err)]
     return []
 
 
@@ -125,18 +198,23 @@ def data_size_problems(c: Config, *, train: int, val: int) -> list[str]:
     t, dp, errs = c.train, c.parallel.dp, []
     need = t.global_batch_size * t.seq_len + 1
     if train < need:
+        more = (f"data.max_bytes={c.data.max_bytes}" if c.data.source == "stdlib" else
+                "data.paths")
         errs.append(f"the data's train split holds {train} tokens, fewer than one batch needs: "
                     f"train.global_batch_size={t.global_batch_size} × train.seq_len={t.seq_len}"
-                    f" + 1 = {need}: add data (data.paths, data.max_bytes={c.data.max_bytes}) "
+                    f" + 1 = {need}: add data ({more}) "
                     "or lower train.global_batch_size or train.seq_len")
     rows = t.micro_batch_size * dp if t.eval_every else 1
     need = rows * t.seq_len + 1
     if val < need:
         batch = (f"one eval batch needs: train.micro_batch_size={t.micro_batch_size} × "
                  f"parallel.dp={dp} × " if t.eval_every else "one sample needs: ")
-        errs.append(f"the data's val split holds {val} tokens (data.val_fraction="
-                    f"{c.data.val_fraction}), fewer than {batch}train.seq_len={t.seq_len} + 1 "
-                    f"= {need}: raise data.val_fraction or add data"
+        source = ("data.val_paths" if c.data.val_paths else
+                  f"data.val_fraction={c.data.val_fraction}")
+        errs.append(f"the data's val split holds {val} tokens ({source}), fewer than "
+                    f"{batch}train.seq_len={t.seq_len} + 1 "
+                    f"= {need}: " + ("add data to data.val_paths" if c.data.val_paths else
+                                     "raise data.val_fraction or add data")
                     + (", or set train.eval_every=0" if t.eval_every else ""))
     return errs
 
@@ -162,6 +240,7 @@ def check_vocab(c: Config) -> list[str]:
         need, what = json.loads(meta.read_text())["vocab_size"], f"prepared data ({meta})"
     else:
         need, what = prep.tokenizer_vocab(d), f"data.tokenizer={d.tokenizer}"
+        what += f" ({d.tokenizer_path})" if d.tokenizer in ("hf", "tiktoken") else ""
     if have >= need:
         return []
     fix = 1 << (need - 1).bit_length()  # a power of two: every tp up to it divides it

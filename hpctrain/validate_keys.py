@@ -160,9 +160,13 @@ RANGES: dict[str, Range] = {
     "optim.beta2": fraction(hi_open=True, fix="e.g. optim.beta2=0.95"),
     "optim.eps": positive("e.g. optim.eps=1e-8"),
     "optim.warmup_steps": at_least(0, "set it to 0 (no warmup) or a step count"),
+    "optim.decay_fraction": fraction(lo_open=True, fix="the share of train.steps that wsd "
+                                                       "decays over: e.g. 0.2"),
     "data.bpe_vocab_size": at_least(257, "the byte-level alphabet (256) plus end-of-document "
                                          "need 257: e.g. data.bpe_vocab_size=512"),
     "data.max_bytes": positive("e.g. data.max_bytes=4000000"),
+    "data.workers": positive("prepare's tokenizer processes: e.g. data.workers=4"),
+    "data.shard_bytes": positive("input bytes per shard: e.g. data.shard_bytes=64000000"),
     "data.val_fraction": fraction(lo_open=True, hi_open=True,
                                   fix="both splits need tokens: e.g. data.val_fraction=0.01"),
     "model.vocab_size": positive(),

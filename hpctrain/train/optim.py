@@ -1,6 +1,18 @@
-"""AdamW with fp32 state and the warmup + cosine learning-rate schedule.
+"""AdamW with fp32 state and the learning-rate schedules of optim.lr_schedule.
 
 The LR is a pure function of the step (no scheduler object), so resuming needs only the step.
+Every schedule starts with a linear warmup, lr·(s+1)/W for s < W = optim.warmup_steps; after it,
+with T = total steps, p = (s − W)/(T − W) and m = optim.min_lr:
+
+- cosine:   m + (lr − m)·(1 + cos(π·p))/2
+- linear:   m + (lr − m)·(1 − p)
+- constant: lr
+- inv_sqrt: lr·sqrt(W / max(s, W))  (needs W ≥ 1; min_lr is not used)
+- wsd (warmup-stable-decay): lr until the last D = round(optim.decay_fraction·T) steps, then
+  m + (lr − m)·f(q), q = (s − (T − D))/D, f by optim.decay_shape: linear 1 − q,
+  cosine (1 + cos(π·q))/2, 1-sqrt 1 − sqrt(q).
+
+p and q are clamped to [0, 1], so steps past T stay at the schedule's last value.
 """
 
 from __future__ import annotations
@@ -11,16 +23,34 @@ import torch
 
 from hpctrain.config import OptimConfig
 
+DECAY_SHAPES = {
+    "linear": lambda q: 1.0 - q,
+    "cosine": lambda q: 0.5 * (1.0 + math.cos(math.pi * q)),
+    "1-sqrt": lambda q: 1.0 - math.sqrt(q),
+}
+
+
+def wsd_decay_steps(optim: OptimConfig, total_steps: int) -> int:
+    """D of the wsd schedule: the last steps, after the stable phase, that decay to min_lr."""
+    return max(1, round(optim.decay_fraction * total_steps))
+
 
 def lr_at(step: int, optim: OptimConfig, *, total_steps: int) -> float:
-    """Linear warmup from lr/warmup to lr, then cosine decay to min_lr at total_steps."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    if optim.lr_schedule == "constant":
-        return optim.lr
-    span = max(1, total_steps - optim.warmup_steps)
-    progress = min(1.0, (step - optim.warmup_steps) / span)
-    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * progress))
+    """The learning rate of `step` (module doc)."""
+    warmup, lr, low = optim.warmup_steps, optim.lr, optim.min_lr
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    kind = optim.lr_schedule
+    if kind == "constant":
+        return lr
+    if kind == "inv_sqrt":
+        return lr * math.sqrt(warmup / max(step, warmup))
+    if kind == "wsd":
+        decay = wsd_decay_steps(optim, total_steps)
+        q = min(1.0, max(0.0, (step - (total_steps - decay)) / decay))
+        return low + (lr - low) * DECAY_SHAPES[optim.decay_shape](q)
+    p = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return low + (lr - low) * DECAY_SHAPES["cosine" if kind == "cosine" else "linear"](p)
 
 
 def param_groups(params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:

@@ -16,6 +16,7 @@ import pytest
 from hpctrain.config import _GROUPS
 from hpctrain.validate_keys import RANGES
 from tests.conftest import make_config
+from tests.unit.tokenizer_files import hf_tokenizer_dir, tiktoken_file
 
 PLAN = ["task=plan", "cluster.accelerator=H100-SXM"]
 FILES = "data=files"
@@ -111,7 +112,17 @@ BAD = [
     (["optim.eps=0"], ["optim.eps=0.0 must be > 0", "optim.eps=1e-8"]),
     (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", "set it to 0"]),
     (["optim.warmup_steps=-5"], ["optim.warmup_steps=-5 must be ≥ 0", "0 (no warmup)"]),
-    (["optim.lr_schedule=linear"], ["optim.lr_schedule='linear'", "'cosine'"]),
+    (["optim.lr_schedule=cosinus"], ["optim.lr_schedule='cosinus'",
+                                     "did you mean optim.lr_schedule=cosine?"]),
+    (["optim.lr_schedule=linear", "optim.min_lr=1"], ["the linear schedule decays",
+                                                      "optim.min_lr=0.0003"]),
+    (["optim.lr_schedule=inv_sqrt", "optim.warmup_steps=0"],
+     ["optim.lr_schedule=inv_sqrt", "needs optim.warmup_steps ≥ 1", "optim.warmup_steps=20"]),
+    (["optim.lr_schedule=wsd", "optim.decay_fraction=0.95"],
+     ["optim.decay_fraction=0.95 of train.steps=200 is 190 decay steps",
+      "optim.warmup_steps=20", "at most 0.9"]),
+    (["optim.decay_fraction=0"], ["optim.decay_fraction=0.0 must be in (0, 1]", "e.g. 0.2"]),
+    (["optim.decay_shape=exp"], ["optim.decay_shape='exp'", "'1-sqrt'"]),
     (["optim.name=sgd"], ["optim.name='sgd'", "optim.name=adamw"]),
     # data
     (["data.val_fraction=0"], ["data.val_fraction=0.0 must be in (0, 1)", "val_fraction=0.01"]),
@@ -133,8 +144,44 @@ BAD = [
      ["val split holds 40 tokens", "= 513", "raise data.val_fraction", "train.eval_every=0"]),
     ([FILES, "data.paths=[{d}/short.txt]", "train.eval_every=0", "data.val_fraction=0.001"],
      ["val split holds 4 tokens", "one sample needs: train.seq_len=128 + 1 = 129"]),
-    ([FILES, "data.paths=[{d}/adir]"], ["data.paths: {d}/adir matches only directories",
-                                        "'{d}/adir/*.txt'"]),
+    ([FILES, "data.paths=[{d}/emptydir]"], ["data.paths: {d}/emptydir holds no files",
+                                            "'{d}/emptydir/*.txt'"]),
+    ([FILES, "data.format=jsonl", "data.paths=[{d}/adir]"],
+     ["{d}/adir holds no .jsonl/", "data.format=jsonl", "'{d}/adir/*.jsonl'"]),
+    ([FILES, "data.format=hf", "data.paths=[{d}/adir]"],
+     ["{d}/adir is not a dataset saved by datasets' save_to_disk", "another data.format"]),
+    (["data.format=csv"], ["data.format='csv'", "'jsonl'"]),
+    ([FILES, "data.mixture=[{paths:[{d}/short.txt],weight:0}]"],
+     ["data.mixture[0].weight=0 must be > 0", "data.mixture[0].weight=1"]),
+    ([FILES, "data.mixture=[{paths:[{d}/short.txt],weight:1},{paths:[{d}/none*.txt],weight:1}]"],
+     ["data.mixture[1].paths: no file matches {d}/none*.txt"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "data.mixture=[{paths:[{d}/short.txt],weight:1}]"],
+     ["and data.mixture both name the corpus", "give either"]),
+    (["data.mixture=[{paths:[{d}/short.txt],weight:1}]"],
+     ["data.mixture reads files, but data.source=stdlib", "set data=files"]),
+    ([FILES, "data.mixture=[{path:[{d}/short.txt],weight:1}]"],
+     ["unknown key data.mixture[0].path", "Did you mean data.mixture[0].paths?"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "data.val_paths=[{d}/nothere*.txt]"],
+     ["data.val_paths: no file matches {d}/nothere*.txt", "check the path"]),
+    (["data.val_paths=[{d}/tiny.txt]"], ["data.val_paths reads files, but data.source=stdlib",
+                                         "set data=files"]),
+    ([FILES, "data.paths=[{d}/short.txt]", "data.val_paths=[{d}/tiny.txt]"],
+     ["val split holds 2 tokens (data.val_paths)", "add data to data.val_paths"]),
+    (["data.on_bad_record=ignore"], ["data.on_bad_record='ignore'", "'skip'"]),
+    (["data.workers=0"], ["data.workers=0 must be > 0", "data.workers=4"]),
+    (["data.shard_bytes=0"], ["data.shard_bytes=0 must be > 0", "data.shard_bytes=64000000"]),
+    (["data.tokenizer=hf"], ["data.tokenizer=hf needs data.tokenizer_path",
+                             "data.tokenizer_path=<dir with tokenizer.json>"]),
+    (["data.tokenizer=hf", "data.tokenizer_path={d}/nothing.json"],
+     ["data.tokenizer_path={d}/nothing.json: no such file"]),
+    (["data.tokenizer=tiktoken", "data.tokenizer_path={d}/cl100k_base.tiktoken"],
+     ["names no end-of-document token", "set data.eod_token=", "<|endoftext|>"]),
+    (["data.tokenizer=hf", "data.tokenizer_path={d}/hftok", "data.eod_token='<end>'"],
+     ["data.eod_token='<end>' is not a token of data.tokenizer_path={d}/hftok", "</s>"]),
+    (["data.tokenizer=hf", "data.tokenizer_path={d}/hftok"],
+     ["model.vocab_size=512 is smaller than the 607 token ids of data.tokenizer=hf "
+      "({d}/hftok)", "set model.vocab_size=1024"]),
+    (["data.tokenizer=byte", "data.bos_token='<s>'"], ["data.bos_token='<s>'", "remove"]),
     ([FILES, "data.paths=[/nonexistent/*.txt]"], ["no file matches /nonexistent/*.txt",
                                                   "check the path"]),
     (["data.source=tokens", "data.paths=[{d}/adir]"], ["lacks meta.json, train.bin, val.bin",
@@ -193,6 +240,9 @@ def inputs(tmp_path_factory):
     (d / "empty.txt").write_text("")
     (d / "short.txt").write_text("a" * 4052)  # 4053 tokens: 4013 train, 40 val at 1%
     (d / "adir").mkdir()
+    (d / "emptydir").mkdir()
+    hf_tokenizer_dir(d / "hftok", words=600)  # 607 token ids
+    tiktoken_file(d / "cl100k_base.tiktoken")
     (d / "adir" / "a.txt").write_text("hi")
     (d / "ckempty").mkdir()
     for name, meta in (("tok", '{"dtype": "uint16", "train_tokens": 100, "val_tokens": 10, '
@@ -274,18 +324,23 @@ def test_every_numeric_key_has_a_range(group):
 
 
 def test_predicted_split_is_what_prepare_writes(tmp_path):
-    """The parse-time size (byte tokenizer, from file sizes) equals the prepared one."""
+    """The parse-time size (byte tokenizer, from file sizes; an empty file is skipped) equals
+    the prepared one, whatever the shards."""
     from hpctrain.config import DataConfig
     from hpctrain.data.prepare import predicted_split, prepare
     from hpctrain.validate_inputs import tokens_of
 
     for i, size in enumerate((0, 1, 700, 3000)):
         (tmp_path / f"{i}.txt").write_bytes(b"z" * size)
-    for max_bytes in (1, 701, 2500, 10_000):
-        data = DataConfig(source="files", paths=(str(tmp_path / "*.txt"),), max_bytes=max_bytes,
-                          val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    for val_fraction, shard_bytes in ((0.1, 1), (0.01, 701), (0.5, 10_000)):
+        data = DataConfig(source="files", paths=(str(tmp_path / "*.txt"),), max_bytes=10,
+                          val_fraction=val_fraction, shard_bytes=shard_bytes,
+                          cache_dir=str(tmp_path / "cache"))
         cfg = make_config(["train=debug"], run_dir=tmp_path)
-        assert predicted_split(data) == tokens_of(cfg, prepare(data)), max_bytes
+        assert predicted_split(data) == tokens_of(cfg, prepare(data)), shard_bytes
+    data = DataConfig(source="files", paths=(str(tmp_path / "[23].txt"),),
+                      val_paths=(str(tmp_path / "[01].txt"),), cache_dir=str(tmp_path / "c"))
+    assert predicted_split(data) == tokens_of(cfg, prepare(data)) == (3702, 2)
 
 
 def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):

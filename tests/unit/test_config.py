@@ -8,6 +8,7 @@ import pytest
 
 from hpctrain.models.config import PRESETS
 from tests.conftest import CONF, ROOT, compose, make_config
+from tests.unit.tokenizer_files import hf_tokenizer_dir
 
 
 def _options(group: str) -> list[str]:
@@ -28,6 +29,10 @@ def test_every_option_composes(group, tmp_path):
         if (group, option) == ("data", "files"):
             # enough text for one batch and one eval batch (the README alone is not)
             overrides.append(f"data.paths=['{ROOT / 'hpctrain' / '*' / '*.py'}']")
+        if (group, option) == ("data", "jsonl"):  # a corpus and a tokenizer of its own
+            (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n')
+            tok = hf_tokenizer_dir(tmp_path / "tok")
+            overrides += [f"data.paths=[{tmp_path / 'c.jsonl'}]", f"data.tokenizer_path={tok}"]
         if group == "parallel":
             world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
             overrides.append(f"cluster.procs_per_node={world}")
