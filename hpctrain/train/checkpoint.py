@@ -72,13 +72,20 @@ def latest_complete(run_dir: Path) -> Path | None:
     return found.path if found is not None else None
 
 
-def agreed_latest(run_dir: Path) -> Verified | None:
+class Refused(ValueError):
+    """A checkpoint that verifies, but whose content a restricted loader refused (files
+    changed along with the manifest, or another torch's): a resume that chose it on its own
+    (train.resume=auto) falls back to the one before it."""
+
+
+def agreed_latest(run_dir: Path, *, refused: tuple[str, ...] = ()) -> Verified | None:
     """Collective: the newest checkpoint that verifies (`agreed_check`), the same on every
-    rank; None when there is none. Rank 0 logs each newer one skipped. Checkpoints exist but
-    none verifies: ValueError on every rank (starting over silently would discard the run's
-    progress)."""
+    rank, passing over the names in `refused`; None when there is none. Rank 0 logs each
+    newer one skipped. Checkpoints exist but none verifies: ValueError on every rank
+    (starting over silently would discard the run's progress)."""
     run_dir = Path(run_dir)
-    names = _from_rank0(lambda: [p.name for p in catalog.candidates(run_dir)])
+    names = _from_rank0(lambda: [p.name for p in catalog.candidates(run_dir)
+                                 if p.name not in refused])
     skipped: list[tuple[Path, str]] = []
     for name in names:
         path = run_dir / "checkpoints" / name
@@ -91,12 +98,28 @@ def agreed_latest(run_dir: Path) -> Verified | None:
         found = None
     if dist.get_rank() == 0:
         _log_skipped(run_dir, skipped=skipped)
-    if found is None and skipped:
+    if found is None and (skipped or refused):
         raise ValueError(
-            f"none of the {len(skipped)} checkpoints in {run_dir / 'checkpoints'} verifies "
-            "(reasons logged above): start over with train.resume=never (they are kept), "
-            "or use another run directory")
+            f"none of the {len(skipped) + len(refused)} checkpoints in "
+            f"{run_dir / 'checkpoints'} verifies and loads (reasons logged above): start over "
+            "with train.resume=never (they are kept), or use another run directory")
     return found
+
+
+def load_latest(run_dir: Path, *, parallel: ParallelState, model_config: ModelConfig | None = None
+                ) -> tuple[Verified, dict[str, Any], dict[str, Any]] | None:
+    """Collective: `load` the newest checkpoint of `run_dir` that verifies and loads, falling
+    back past one a loader refuses (`Refused`: one log line each, as for any damage); None
+    when the run has none. Another model shape still stops (ValueError)."""
+    refused: tuple[str, ...] = ()
+    while (found := agreed_latest(run_dir, refused=refused)) is not None:
+        try:
+            return (found, *load(found, parallel=parallel, model_config=model_config))
+        except Refused as err:
+            if dist.get_rank() == 0:
+                log.warning("skipping %s: %s", found.path.relative_to(Path(run_dir)), err)
+            refused += (found.path.name,)
+    return None
 
 
 def agreed_verified(path: Path) -> Verified:
@@ -180,7 +203,7 @@ def _dcp_load(chunks: list[Chunk], path: Path) -> None:
         dcp.load({}, storage_reader=safe_dcp.SafeReader(str(path)),
                  planner=ChunkLoadPlanner(chunks))
     except CheckpointException as err:  # raised alike on every rank (DCP agrees on failures)
-        raise ValueError(f"checkpoint {path} verifies but cannot be loaded here "
+        raise Refused(f"checkpoint {path} verifies but cannot be loaded here "
                          f"({ckpt_writer.reason(err)}): {_FIX}") from None
 
 
@@ -239,7 +262,7 @@ def _agreed(path: Path, *, read: Callable[[], T]) -> T:
     dist.all_gather_object(errors, error)
     for rank, err in enumerate(errors):
         if err is not None:
-            raise ValueError(
+            raise Refused(
                 f"checkpoint {path} verifies but rank {rank} refused to load it ({err}): "
                 "hpctrain's saves never hold such content, so its files were changed along "
                 f"with {manifest.MANIFEST} (or written by an incompatible torch); {_FIX}")
@@ -253,4 +276,6 @@ def _reason(err: Exception) -> str:
     refused = re.search(r"Unsupported (global: GLOBAL \S+|operand \S+)", text)
     if refused:
         return refused[0]
+    if text.startswith("Weights only load failed"):  # the rest is advice to load unsafely
+        return "torch.load(weights_only=True) refused an object that is not plain data"
     return (text.splitlines() or [""])[0][:200]

@@ -113,14 +113,17 @@ class Trainer:
         mode = self.cfg.train.resume
         if mode == "never":
             return
-        # Chosen and verified on rank 0 for every rank; unverified ones are skipped (auto) or
-        # refused (an explicit directory), another model shape is refused in load.
-        found = (ckpt.agreed_latest(self.run_dir) if mode == "auto"
-                 else ckpt.agreed_verified(Path(mode)))
-        if found is None:
-            return
-        train_state, rank_state = ckpt.load(found, parallel=self.parallel,
-                                            model_config=self.cfg.model)
+        # Chosen and verified on rank 0 for every rank; unverified or refused ones are skipped
+        # (auto) or stop the run (an explicit directory); another model shape stops it.
+        kw = dict(parallel=self.parallel, model_config=self.cfg.model)
+        if mode == "auto":
+            loaded = ckpt.load_latest(self.run_dir, **kw)
+            if loaded is None:
+                return
+            found, train_state, rank_state = loaded
+        else:
+            found = ckpt.agreed_verified(Path(mode))
+            train_state, rank_state = ckpt.load(found, **kw)
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
         self.data_offset = train_state.get("data_offset", 0)

@@ -193,15 +193,24 @@ def test_crafted_pickle_never_runs(runs, tmp_path, name, fix_manifest):
     run_dir = _copy(runs, tmp_path)
     marker = tmp_path / "marker"
     _plant(run_dir / NEWEST, name, marker, fix_manifest=fix_manifest)
-    if fix_manifest:  # verifies, so it is read, by restricted unpicklers: refused
+    if fix_manifest:  # verifies, so it is read, by restricted unpicklers: refused, and the
+        # run falls back to the previous checkpoint as for any damage (one line, no advice)
         refusal = ("Unsupported global: GLOBAL exec" if name.endswith(".pt")
                    else "builtins.exec is not part of a DCP index")
+        with _Lines("hpctrain.train.checkpoint") as log:
+            tasks.run(make_config(OVER, run_dir=run_dir))
+        skips = [ln for ln in log.lines if ln.startswith("skipping")]
+        assert len(skips) == 1 and skips[0].startswith(f"skipping {NEWEST}: "), log.lines
+        assert f"refused to load it (UnpicklingError: {refusal})" in skips[0], skips
+        assert "weights_only=False" not in skips[0]
         with pytest.raises(ValueError, match=r"verifies but rank 0 refused to load it "
                                              rf"\(UnpicklingError: {refusal}\)"):
-            tasks.run(make_config(OVER, run_dir=run_dir))
+            _plant(run_dir / NEWEST, name, marker, fix_manifest=True)  # saved again: re-plant
+            tasks.run(make_config([*OVER, f"train.resume={run_dir / NEWEST}"],
+                                  run_dir=run_dir))  # an explicit checkpoint stops
     else:  # never unpickled at all: skipped like any damage
         tasks.run(make_config(OVER, run_dir=run_dir))
-        assert _losses(run_dir) == _losses(runs["full"])
+    assert _losses(run_dir) == _losses(runs["full"])
     assert not marker.exists()
     if fix_manifest:  # the payload is live: a plain unpickler would have run it
         planted = run_dir / NEWEST / name
