@@ -50,6 +50,7 @@ sys.path.insert(1, str(ROOT))  # benchmarks.common
 
 from benchmarks.common import spawn, to_nn_linear  # noqa: E402
 
+
 def _model(dim: int, layers: int) -> list[str]:
     """`small`'s vocabulary, 8 heads (4 kv), SwiGLU width 2.75·dim: dim 1024 × 8 layers ≈ 95M."""
     return ["model=small", f"model.dim={dim}", f"model.n_layers={layers}", "model.n_heads=8",
