@@ -24,7 +24,7 @@ FAULTS = ROOT / "tests" / "faults" / "ckpt"
 RUN = ["model=debug", "train=debug", "parallel=dp2", "parallel.zero=1",
        "cluster.procs_per_node=2", "data.max_bytes=200000", "logger.wandb=disabled",
        "logger.progress=plain", "train.eval_every=0", "train.log_every=1",
-       "train.checkpoint_every=2", "train.steps=8", "cluster.timeout_s=20"]
+       "train.checkpoint_every=2", "train.steps=8", "cluster.timeout_s=60"]
 
 
 def _start(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.Popen:
