@@ -74,7 +74,21 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].data
+        return _exact(self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].data)
+
+
+def _exact(view: torch.Tensor) -> torch.Tensor:
+    """`view` as a tensor whose storage is exactly its own bytes (the same memory), so DCP's
+    writer serialises it as it is instead of cloning it (it clones any tensor that shares a
+    larger storage, as every chunk of a flat shard does: measured 1.2 s of an 8.2 s save of
+    1.1 GB). Through numpy, which wraps the bytes it is given; CPU tensors of numpy's dtypes
+    (the fp32/fp64 masters and moments), others are left to DCP."""
+    if view.device.type != "cpu" or not view.is_contiguous() or view.dtype == torch.bfloat16:
+        return view
+    try:
+        return torch.from_numpy(view.numpy())
+    except TypeError:  # a dtype numpy lacks
+        return view
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
