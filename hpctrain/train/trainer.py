@@ -36,6 +36,7 @@ from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
+from hpctrain.train.continuation import complete_message, kept_summary, schedule_change
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import (
     NoPrediction,
@@ -127,6 +128,10 @@ class Trainer:
         self.guard.rollbacks = train_state.get("nonfinite_rollbacks", 0)
         log.info("resumed from %s at step %d (saved at %s)", found.path, self.step,
                  " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
+        change = schedule_change(self.cfg.optim, step=self.step, steps=self.cfg.train.steps,
+                                 saved_steps=train_state.get("steps"))
+        if change and self.mesh.is_logging_rank and self.step < self.cfg.train.steps:
+            log.info("%s", change)
 
     def save(self) -> Path:
         """Collective: save this step's checkpoint — started in the background with
@@ -136,7 +141,8 @@ class Trainer:
         if self.checkpointer.last_step == self.step:
             return path
         p, gbs = self.cfg.parallel, self.cfg.train.global_batch_size
-        state = {"step": self.step, "data_offset": self.data_offset,
+        state = {"step": self.step, "steps": self.cfg.train.steps,
+                 "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
                  "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero}
@@ -209,6 +215,8 @@ class Trainer:
         self.resume()
         t = self.cfg.train
         logging_rank = self.mesh.is_logging_rank
+        if self.step >= t.steps:  # every rank resumed the same step: the same branch
+            return self._already_complete()
         loggers, progress = (make_loggers(self.cfg, run_dir=self.run_dir, start_step=self.step)
                              if logging_rank else (None, None))
         reset_peak_memory(self.mesh.device)
@@ -236,6 +244,16 @@ class Trainer:
             self.checkpointer.close()
         extra.update(_save_summary(self.checkpointer.records))
         return self._finish(loggers, extra) if logging_rank else {}
+
+    def _already_complete(self) -> dict[str, Any]:
+        """A re-run of a finished run: nothing trained, saved or rewritten; the logging rank
+        says so and returns the run's summary.json as it is."""
+        self.checkpointer.close()
+        if not self.mesh.is_logging_rank:
+            return {}
+        log.info("%s", complete_message(self.run_dir, step=self.step,
+                                        steps=self.cfg.train.steps))
+        return kept_summary(self.run_dir)
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
         """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
