@@ -37,6 +37,7 @@ from hpctrain.train import nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.continuation import complete_message, kept_summary, schedule_change
+from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import (
     NoPrediction,
@@ -103,11 +104,12 @@ class Trainer:
                                                           dp_rank=dp_rank, micro=micro))
 
     def eval_batches(self):
-        t, dp, dp_rank = self.cfg.train, self.cfg.parallel.dp, self.mesh.coord("dp")
-        n = self.val_ds.n_samples
-        for j in range(t.eval_batches):
-            first = (j * dp + dp_rank) * t.micro_batch_size
-            yield self.val_ds.rows([(first + i) % n for i in range(t.micro_batch_size)])
+        """This dp rank's share of the fixed evaluation set (hpctrain.train.eval_set)."""
+        t = self.cfg.train
+        for indices in eval_indices(self.val_ds.n_samples, samples=t.eval_samples,
+                                    dp=self.cfg.parallel.dp, dp_rank=self.mesh.coord("dp"),
+                                    micro_batch=t.micro_batch_size):
+            yield self.val_ds.rows(indices)
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:

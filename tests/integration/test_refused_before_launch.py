@@ -29,7 +29,7 @@ def _refused(overrides: list[str], run_dir) -> str:
 def test_many_mistakes_one_message(tmp_path):
     out = _refused([*SMALL, "parallel.dp=0", "model.n_heads=0", "+trian.steps=10",
                     "train.resume=nevr", "optim.min_lr=1", "optim.beta1=1.5",
-                    "train.grad_clip=-1", "train.eval_batches=0"], tmp_path)
+                    "train.grad_clip=-1", "train.eval_samples=0"], tmp_path)
     assert "invalid configuration (8 problem(s))" in out
     for text in ("parallel.dp=0 must be > 0", "model.n_heads=0 must be > 0",
                  "did you mean train.steps?", "did you mean train.resume=never?",
