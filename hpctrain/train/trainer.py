@@ -44,7 +44,6 @@ from hpctrain.train.outputs import (
     Prediction,
     make_loggers,
     never_stop,
-    print_summary,
     summarize,
 )
 from hpctrain.train.pipeline import PipelineEngine
@@ -358,8 +357,7 @@ class Trainer:
                             evicted=self.steps_run - len(self.history))
         summary.update(self.prediction.summary(summary, mem))  # predicted vs measured
         loggers.summary(summary)
-        loggers.close()
-        print_summary(summary)
+        loggers.close()  # the CLI prints the summary last (hpctrain.cli.format_summary)
         return summary
 
     @contextlib.contextmanager
