@@ -1,6 +1,6 @@
 """Bad inputs through the real entry point: exit code 2, one message, no traceback, no rank.
 
-`.rendezvous` is the first file a launch writes (launch.local), metrics.jsonl the first a
+`.hpctrain/rendezvous` is the first file a launch writes (launch.local), metrics.jsonl the first a
 rank writes: neither may exist after a refusal.
 """
 
@@ -22,7 +22,7 @@ def _refused(overrides: list[str], run_dir) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out and "Error executing job" not in out, out
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / ".rendezvous").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / ".hpctrain").exists()
     return out
 
 

@@ -47,6 +47,8 @@ def test_redirected_logs_on_stderr_with_eta_and_summary_on_stdout(tmp_path):
     assert all(re.search(r"eta=\d+:\d\d:\d\d", ln) for ln in steps), steps
     assert proc.stdout.rstrip().splitlines()[-2] == (
         f"outputs in {tmp_path} (summary.json, metrics.jsonl, training.png, checkpoints/)")
+    assert not (tmp_path / "hang").exists()  # only after a hang; heartbeats in .hpctrain/
+    assert (tmp_path / ".hpctrain" / "heartbeat" / "rank_0.json").exists()
 
 
 def test_misspelled_option_and_key_exit_2_with_one_message(tmp_path):
