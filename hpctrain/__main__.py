@@ -38,8 +38,9 @@ def main(cfg: DictConfig) -> dict | None:
         sys.exit(2)
     try:
         result = tasks.launch(parsed)
-        if parsed.task == "train" and result:  # the logging rank's summary, last, on stdout
-            print(cli.format_summary(result), flush=True)
+        shown = cli.format_result(parsed.task, result) if result else None
+        if shown:  # results last, on stdout (logs are on stderr)
+            print(shown, flush=True)
         return result
     except (RunStopped, ValueError) as err:  # one message and its exit code, no traceback
         # ValueError: a refusal found once the run started (the run directory is busy, the

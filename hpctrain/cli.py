@@ -122,6 +122,23 @@ def _unknown_key(dotted: str) -> Problem | str:
     return _unknown(group, key, names)
 
 
+def format_result(task: str, result: dict[str, Any]) -> str | None:
+    """What a task shows on stdout when it ends: its numbers and where its outputs went."""
+    if task == "train":
+        return format_summary(result)
+    if task == "simulate":
+        return (f"{result['text']}\noutputs: {result['json']}, {result['timeline_png']}")
+    if task == "plan":
+        return f"{result['text']}\noutputs: {result['path']}"
+    if task == "bench":
+        report = Path(result["report"])
+        body = report.read_text() if report.exists() else ""
+        return f"{body}\noutputs: {result['report']}, {result['json']}"
+    if task == "prepare":
+        return f"prepared tokens: {result['data_dir']}"
+    return None
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The run summary, set apart by rules, ending with where the outputs are."""
     def fmt(v):

@@ -10,7 +10,7 @@ import sys
 
 import pexpect
 
-from hpctrain.cli import group_help
+from hpctrain.cli import format_result, group_help
 from tests.conftest import ROOT
 
 RUN = ["-m", "hpctrain", "model=debug", "train=debug", "data.max_bytes=300000",
@@ -72,3 +72,12 @@ def test_group_help_gives_meaning_default_and_choices():
     assert text.splitlines()[1] == "  train.eval_samples = 16"
     assert "split over the dp ranks" in text
     assert group_help("nosuch") is None
+
+
+def test_every_task_says_where_its_outputs_went(tmp_path):
+    report = tmp_path / "bench_report.md"
+    report.write_text("| op | GB/s |\n|---|---|\n| all_reduce | 1.5 |\n")
+    bench = format_result("bench", {"report": str(report), "json": str(tmp_path / "b.json")})
+    assert "| all_reduce | 1.5 |" in bench and bench.endswith(f"outputs: {report}, "
+                                                             f"{tmp_path / 'b.json'}")
+    assert format_result("prepare", {"data_dir": "/d"}) == "prepared tokens: /d"
