@@ -39,13 +39,8 @@ from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.continuation import complete_message, kept_summary, schedule_change
 from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.outputs import (
-    NoPrediction,
-    Prediction,
-    make_loggers,
-    never_stop,
-    summarize,
-)
+from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
+from hpctrain.train.phases import build_note, first_step_note
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.setup import build_parallel_state
 from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
@@ -66,6 +61,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         torch.manual_seed(t.seed)
+        if mesh.is_logging_rank:
+            log.info("%s", build_note(cfg, device_type=mesh.device.type))
         self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
         # Built once, passed to checkpointing and metrics (hpctrain.train.setup).
         self.parallel = build_parallel_state(cfg, mesh, pipeline=self.pipeline)
@@ -221,6 +218,9 @@ class Trainer:
         loggers, progress = (make_loggers(self.cfg, run_dir=self.run_dir, start_step=self.step)
                              if logging_rank else (None, None))
         reset_peak_memory(self.mesh.device)
+        if logging_rank:
+            log.info("%s", first_step_note(self.cfg, device_type=self.mesh.device.type,
+                                           start=self.step))
         extra: dict[str, Any] = {}
         with self._profiler() as prof:
             while self.step < t.steps:

@@ -45,6 +45,9 @@ def test_redirected_logs_on_stderr_with_eta_and_summary_on_stdout(tmp_path):
     assert [ln.split("] step ")[1].split()[0] for ln in steps] == ["1/12", "5/12", "10/12",
                                                                   "12/12"]
     assert all(re.search(r"eta=\d+:\d\d:\d\d", ln) for ln in steps), steps
+    log = proc.stderr  # no silent minutes: a line before the build and before the first step
+    assert log.index("] building debug (") < log.index("] training steps 1..12") < log.index(
+        "] step 1/12")
     assert proc.stdout.rstrip().splitlines()[-2] == (
         f"outputs in {tmp_path} (summary.json, metrics.jsonl, training.png, checkpoints/)")
     assert not (tmp_path / "hang").exists()  # only after a hang; heartbeats in .hpctrain/
