@@ -28,6 +28,13 @@ def complete_message(run_dir: Path, *, step: int, steps: int) -> str:
             f"(hydra.run.dir=...)")
 
 
+def stopped_early_message(*, step: int, steps: int) -> str:
+    """What a run stopped by train.stop_after says (a checkpoint at `step` follows)."""
+    return (f"stopped early after step {step} of train.steps={steps} (train.stop_after="
+            f"{step}): the checkpoint at step {step} is saved; run the same command without "
+            f"train.stop_after (same run directory) to continue to step {steps}")
+
+
 def kept_summary(run_dir: Path) -> dict[str, Any]:
     """The finished run's summary.json as it is ({} when it has none)."""
     path = run_dir / "summary.json"

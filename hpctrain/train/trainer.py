@@ -33,10 +33,9 @@ from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
-from hpctrain.train import nonfinite
+from hpctrain.train import continuation, nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
-from hpctrain.train.continuation import complete_message, kept_summary, schedule_change
 from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
@@ -126,8 +125,9 @@ class Trainer:
         self.guard.rollbacks = train_state.get("nonfinite_rollbacks", 0)
         log.info("resumed from %s at step %d (saved at %s)", found.path, self.step,
                  " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
-        change = schedule_change(self.cfg.optim, step=self.step, steps=self.cfg.train.steps,
-                                 saved_steps=train_state.get("steps"))
+        change = continuation.schedule_change(self.cfg.optim, step=self.step,
+                                              steps=self.cfg.train.steps,
+                                              saved_steps=train_state.get("steps"))
         if change and self.mesh.is_logging_rank and self.step < self.cfg.train.steps:
             log.info("%s", change)
 
@@ -252,9 +252,9 @@ class Trainer:
         self.checkpointer.close()
         if not self.mesh.is_logging_rank:
             return {}
-        log.info("%s", complete_message(self.run_dir, step=self.step,
-                                        steps=self.cfg.train.steps))
-        return kept_summary(self.run_dir)
+        log.info("%s", continuation.complete_message(self.run_dir, step=self.step,
+                                                     steps=self.cfg.train.steps))
+        return continuation.kept_summary(self.run_dir)
 
     def _should_stop(self, extra: dict[str, Any]) -> bool:
         """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
@@ -263,6 +263,8 @@ class Trainer:
         next is consistent."""
         t = self.cfg.train
         if t.stop_after is not None and self.step >= t.stop_after:
+            if self.mesh.is_logging_rank and self.step < t.steps:
+                log.info("%s", continuation.stopped_early_message(step=self.step, steps=t.steps))
             return True
         if self.stop_requested():
             extra["stopped_by_signal"] = True

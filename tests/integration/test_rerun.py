@@ -14,6 +14,8 @@ SMALL = ["model=debug", "train=debug", "data.max_bytes=300000", "logger.wandb=di
 
 def test_rerun_keeps_summary_and_longer_run_states_schedule(tmp_path, capfd):
     run_dir = tmp_path / "run"
+    tasks.run(make_config([*SMALL, "train.steps=3", "train.stop_after=2"], run_dir=run_dir))
+    assert "stopped early after step 2 of train.steps=3" in capfd.readouterr().err
     first = tasks.run(make_config([*SMALL, "train.steps=3"], run_dir=run_dir))
     before = (run_dir / "summary.json").read_text()
     assert first["final_eval_loss"] is not None
