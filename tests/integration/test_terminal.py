@@ -71,6 +71,9 @@ def test_group_help_gives_meaning_default_and_choices():
     assert proc.returncode == 0, proc.stderr
     assert "parallel.grad_comm_dtype = fp32   choices: fp32 | bf16 | fp16" in proc.stdout
     assert "presets: parallel=3d | auto | cp2 | dp2 | pp2 | single" in proc.stdout
+    top = subprocess.run([sys.executable, "-m", "hpctrain", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert "`python -m hpctrain <group> --help`" in top.stdout, top.stdout[-2000:]
     text = group_help("train.eval_samples")
     assert text.splitlines()[1] == "  train.eval_samples = 16"
     assert "split over the dp ranks" in text
