@@ -1,4 +1,5 @@
-"""No silent minutes: the lines before the model build and the first step say what to expect."""
+"""No silent minutes and plain pictures: the lines before the model build and the first step say
+what to expect; training.png's throughput axis starts at 0."""
 
 from __future__ import annotations
 
@@ -18,3 +19,11 @@ def test_slow_first_steps_are_announced(tmp_path):
     assert "GB of fp32 weights" in build_note(big, device_type="cuda")
     assert first_step_note(make_config(["model=debug", "train=debug"], run_dir=tmp_path),
                            device_type="cpu", start=0) == "training steps 1..10 of train.steps=10"
+
+
+def test_throughput_axis_starts_at_zero():
+    from hpctrain.metrics.plot import draw_run
+
+    records = [{"step": s, "loss": 3.0, "tokens_per_s": 1000.0 + s} for s in range(1, 6)]
+    assert draw_run(records).axes[1].get_ylim()[0] == 0
+    assert draw_run([]) is None
