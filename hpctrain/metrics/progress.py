@@ -58,14 +58,16 @@ class Progress:
         self.use_rich = mode == "rich" or (mode == "auto" and sys.stderr.isatty())
         self.total, self.start, self.done = total, start, start
         self.t0 = time.monotonic()
-        self._bar = None
+        self._bar, self._moved = None, []
         if self.use_rich:
             self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"),
                                      BarColumn(bar_width=12), TextColumn("{task.fields[info]}"),
                                      TextColumn("ETA"), TimeRemainingColumn(),
                                      console=Console(stderr=True))
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
-            self._bar.start()
+            before = sys.stderr
+            self._bar.start()  # on a terminal sys.stderr is now rich's proxy, above the bar
+            self._moved = _move_log_streams(before, sys.stderr)
 
     def eta_s(self) -> float | None:
         """Seconds left at the mean step time of this run so far (None before a step)."""
@@ -90,4 +92,19 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
+            for handler, stream in self._moved:
+                handler.setStream(stream)
             self._bar.stop()
+
+
+def _move_log_streams(old, new) -> list[tuple[logging.StreamHandler, Any]]:
+    """Point the log handlers writing to `old` (stderr before the bar) at `new`, so log lines
+    print above the bar instead of into it; returns (handler, old stream) to restore."""
+    if new is old:
+        return []
+    moved = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.setStream(new)
+            moved.append((handler, old))
+    return moved

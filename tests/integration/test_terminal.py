@@ -31,6 +31,7 @@ def test_progress_fits_80_columns_and_summary_comes_last(tmp_path):
     assert all(w in bars[-1] for w in ("loss", "tok/s", "ETA")), bars[-1]
     progress = [ln for ln in lines if ln.startswith("step ")]
     assert max(len(ln) for ln in progress) <= 80, max(progress, key=len)
+    assert not any("INFO]" in ln for ln in progress)  # log lines print above the bar
     assert lines.index(bars[-1]) < lines.index("run summary")
     assert lines[-2].startswith("outputs in ") and set(lines[-1]) == {"─"}
 
