@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain import schema, tasks
+from hpctrain import cli, schema, tasks
 from hpctrain.errors import RunStopped, end_process
 from hpctrain.launch import resolvers
 from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
@@ -36,7 +37,11 @@ def main(cfg: DictConfig) -> dict | None:
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
     try:
-        return tasks.launch(parsed)
+        result = tasks.launch(parsed)
+        shown = cli.format_result(parsed.task, result) if result else None
+        if shown:  # results last, on stdout (logs are on stderr)
+            print(shown, flush=True)
+        return result
     except (RunStopped, ValueError) as err:  # one message and its exit code, no traceback
         # ValueError: a refusal found once the run started (the run directory is busy, the
         # checkpoint to resume is damaged or of another model); RunStopped: the ranks agreed
@@ -67,8 +72,40 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _group_help(argv: list[str]) -> str | None:
+    """`python -m hpctrain <group>[.<key>] --help`: that group's keys from the schema."""
+    if not {"--help", "-h"} & set(argv):
+        return None
+    named = [a for a in argv if not a.startswith("-") and "=" not in a]
+    return cli.group_help(named[0]) if len(named) == 1 else None
+
+
+def _entry() -> None:
+    """Hydra's own errors (a misspelled option or key) are raised to here, not printed by
+    Hydra, and end as hpctrain's one message with exit 2; HYDRA_FULL_ERROR=1 set by the user
+    keeps Hydra's full report."""
+    text = _group_help(sys.argv[1:])
+    if text is not None:
+        print(text)
+        return
+    users_full_error = "HYDRA_FULL_ERROR" in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises instead of printing and exit 1
+    try:
+        main()
+    except (RunStopped, ValueError):  # a failed sweep point, already logged by main
+        if users_full_error:
+            raise
+        sys.exit(1)
+    except Exception as err:
+        message = None if users_full_error else cli.hydra_error_message(err)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     # Where Hydra is entered, not on `import hpctrain`: no process-wide side effects on import.
     schema.register()  # every group's keys and defaults, from the dataclasses
     resolvers.register()  # ${hpctrain.nodes:...} & co. in conf/cluster/slurm.yaml
-    main()
+    _entry()

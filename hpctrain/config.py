@@ -99,7 +99,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     log_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 4
+    # validation samples evaluated, the same for every layout: split over the dp ranks in
+    # micro-batches, so a multiple of parallel.dp × micro_batch_size (hpctrain.train.eval_set)
+    eval_samples: int = 16
     checkpoint_every: int = 100  # every N steps (and at the end); 0: only at the end
     # Saves write each rank's own shards (hpctrain.train.ckpt_writer); async: staged to host
     # memory and written in the background while training continues (false: the step waits).
@@ -277,7 +279,18 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
     return (None if missing else cls(**kwargs)), problems
 
 
+# Keys that were renamed or replaced → what to set instead.
+REPLACED = {
+    "train.eval_batches": "train.eval_batches (per dp rank, so the eval set grew with dp) was "
+                          "replaced by train.eval_samples, a fixed number of validation samples "
+                          "split over the dp ranks: e.g. train.eval_samples=16 for the old "
+                          "train.eval_batches=4 with train.micro_batch_size=4 at dp=1",
+}
+
+
 def _unknown(group: str, key: str, names: list[str]) -> Problem:
+    if f"{group}.{key}" in REPLACED:
+        return Problem(f"{group}.{key}", REPLACED[f"{group}.{key}"])
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" Did you mean {group}.{close[0]}?" if close else ""
     return Problem(f"{group}.{key}",

@@ -21,6 +21,7 @@ from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
+from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
@@ -187,6 +188,14 @@ def check_batch(c: Config) -> list[str]:
     return []
 
 
+def check_eval(c: Config) -> list[str]:
+    t = c.train
+    if not t.eval_every:
+        return []
+    problem = eval_split_problem(t.eval_samples, dp=c.parallel.dp, micro_batch=t.micro_batch_size)
+    return [problem] if problem else []
+
+
 def check_device(c: Config) -> list[str]:
     if c.cluster.launcher == "slurm" and "SLURM_PROCID" not in os.environ:
         return []  # submitting from a login node: the devices are checked in each Slurm task
@@ -316,6 +325,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_head_dim: ("model.dim", "model.n_heads"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
+    check_eval: ("train.eval_samples", "train.eval_every", *_BATCH),
     check_packing: ("train.batching", "data.packing"),
     check_vocab: ("model.vocab_size", "data."),
     check_data_size: ("data.", "train.", "parallel.dp"),
@@ -335,8 +345,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
                check_vocab, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
-                             check_lr_schedule,
-                             check_head_dim, check_model_shape, check_batch, check_packing,
+                             check_lr_schedule, check_head_dim, check_model_shape, check_batch,
+                             check_eval, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
                              check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
                              check_cluster_spec, check_bench)

@@ -145,7 +145,7 @@ RANGES: dict[str, Range] = {
     "train.grad_clip": at_least(0, "set it to 0 (no clipping) or a positive norm, e.g. 1.0"),
     "train.log_every": positive(),
     "train.eval_every": at_least(0, "set it to 0 (no evaluation) or a step interval"),
-    "train.eval_batches": positive(f"{_COUNT}, or train.eval_every=0 to skip eval"),
+    "train.eval_samples": positive(f"{_COUNT}, or train.eval_every=0 to skip eval"),
     "train.checkpoint_every": at_least(0, "set it to 0 (save at the end only) or a step "
                                           "interval"),
     "train.keep": at_least(0, "the newest verified checkpoints to keep (0: all), e.g. 2"),

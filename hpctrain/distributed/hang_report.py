@@ -1,6 +1,6 @@
 """What a hang report says: who holds the job up, where this rank waits, what to do.
 
-Pure functions over the heartbeat files the watchdog writes (`<run_dir>/hang/heartbeat/`), so
+Pure functions over the heartbeat files the watchdog writes (`rundir.heartbeat_dir`), so
 the rules can be tested without a stuck job. A rank is named, in this order, when it never wrote
 a heartbeat, when its beat is stale (its process is stopped, frozen or dead: the watchdog thread
 of a live process beats every interval even while the main thread waits), or when it is behind
@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from hpctrain.distributed.rundir import hang_dir as hang_dir_of
+from hpctrain.distributed.rundir import heartbeat_dir
 
 Beat = dict[str, Any]
 
@@ -121,10 +124,10 @@ def waiting_in(*, frame=None, tb=None) -> str | None:
 
 def format_message(cause: str, *, reporter: int, host: str, step: int | None, phase: str,
                    where: str | None, culprits: list[tuple[int, str]], hang_dir: Path,
-                   slurm: bool) -> str:
-    """The one message that ends a hung job."""
+                   beats_dir: Path, slurm: bool) -> str:
+    """The one message that ends a hung job (`beats_dir`: the heartbeat files)."""
     hosts: dict[int, str] = {}
-    for path in (hang_dir / "heartbeat").glob("rank_*.json"):
+    for path in beats_dir.glob("rank_*.json"):
         try:
             beat = json.loads(path.read_text())
             hosts[int(beat["rank"])] = str(beat["host"])
@@ -139,7 +142,8 @@ def format_message(cause: str, *, reporter: int, host: str, step: int | None, ph
     lines = [f"{'lost a rank' if lost else 'hang'}: {head}.",
              f"rank {reporter} (host {host}) gave up in step {step} ({phase})"
              f"{' waiting in ' + where if where else ''}: {cause}.",
-             f"Stacks of the live ranks, flight recorder and heartbeats: {hang_dir}"]
+             f"Stacks of the live ranks and flight recorder: {hang_dir}; heartbeats: "
+             f"{beats_dir}"]
     bad_nodes = sorted({hosts[r] for r, _ in culprits if r in hosts})
     if slurm and bad_nodes:
         nodes = ",".join(bad_nodes)
@@ -163,9 +167,12 @@ def claim(path: Path, message: str) -> bool:
 
 
 def archive_previous(run_dir: Path) -> None:
-    """Move the hang folder of an earlier run on this directory to `hang.prev` (called by one
-    rank before the others start watching), so a fresh report can be claimed."""
-    current, previous = Path(run_dir) / "hang", Path(run_dir) / "hang.prev"
+    """Move the hang folder of an earlier run on this directory to `hang.prev` and drop its
+    heartbeats (called by one rank before the others start watching), so a fresh report can be
+    claimed and no stale beat names a rank of this run."""
+    shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)
+    current = hang_dir_of(run_dir)
+    previous = current.with_name("hang.prev")
     if current.exists():
         shutil.rmtree(previous, ignore_errors=True)
         current.rename(previous)

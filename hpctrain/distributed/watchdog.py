@@ -2,7 +2,7 @@
 
 The trainer calls `heartbeat.step(n)` at every step boundary (an attribute write and a deque
 append: no I/O, no collective). Every `interval_s` the thread writes this rank's heartbeat file
-`<run_dir>/hang/heartbeat/rank_N.json` (rank, host, pid, step, phase, beat time) and applies
+`<run_dir>/.hpctrain/heartbeat/rank_N.json` (rank, host, pid, step, phase, beat time) and applies
 `StallRule` to the time since the last boundary:
 
 - slow: longer than max(k × median of the last 50 step times, floor) — k = 10, floor =
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from hpctrain.distributed import hang_report
+from hpctrain.distributed import hang_report, rundir
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class Watchdog:
 
     def __init__(self, run_dir: Path | str, *, rank: int, world_size: int, timeout_s: float,
                  rule: StallRule | None = None):
-        self.dir = Path(run_dir) / "hang"
+        self.dir = rundir.hang_dir(run_dir)  # created only when a hang is suspected
+        self.beats_dir = rundir.heartbeat_dir(run_dir)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.rule = rule or StallRule(timeout_s)
         self.interval_s = beat_interval(timeout_s)
@@ -140,7 +141,7 @@ class Watchdog:
         return "ok" if verdict == "slow" and self._warned == self.current else verdict
 
     def start(self) -> Watchdog:
-        (self.dir / "heartbeat").mkdir(parents=True, exist_ok=True)
+        self.beats_dir.mkdir(parents=True, exist_ok=True)
         self._write_beat()
         self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
@@ -173,7 +174,7 @@ class Watchdog:
         state = {"rank": self.rank, "host": self.host, "pid": self.pid, "step": self.current,
                  "phase": self.phase, "step_s": round(time.monotonic() - self.since, 3),
                  "beat": time.time()}
-        path = self.dir / "heartbeat" / f"rank_{self.rank}.json"
+        path = self.beats_dir / f"rank_{self.rank}.json"
         tmp = path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps(state))
@@ -222,12 +223,12 @@ class Watchdog:
         collective = hang_report.last_collective(trace)
         if collective:
             where = f"{where + ', ' if where else ''}last collective issued: {collective}"
-        beats = hang_report.read_heartbeats(self.dir / "heartbeat", world_size=self.world_size)
+        beats = hang_report.read_heartbeats(self.beats_dir, world_size=self.world_size)
         culprits = hang_report.suspects(beats, now=time.time(), stale_s=3 * self.interval_s + 2)
         message = hang_report.format_message(
             cause, reporter=self.rank, host=self.host, step=self.current, phase=self.phase,
             where=where, culprits=culprits,
-            hang_dir=self.dir, slurm=hang_report.on_slurm())
+            hang_dir=self.dir, beats_dir=self.beats_dir, slurm=hang_report.on_slurm())
         if hang_report.claim(self.dir / "report.txt", message):
             log.error("%s", message)
         else:

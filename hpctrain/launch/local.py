@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpctrain.config import Config
+from hpctrain.distributed import rundir
 from hpctrain.errors import RunStopped, end_process
 from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
@@ -36,7 +37,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _store_path(cfg: Config) -> Path:
-    path = Path(cfg.run_dir) / ".rendezvous"
+    path = rundir.work_dir(cfg.run_dir) / "rendezvous"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # a FileStore file from an earlier run must not be reused
     return path

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hpctrain.distributed import rundir
 from hpctrain.distributed.watchdog import EXIT_HANG
 from hpctrain.errors import RunStopped
 
@@ -137,7 +138,7 @@ def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir:
                if isinstance(results[r], dict) and "stopped" in results[r]]
     if stopped:  # the ranks stopped on purpose (RunStopped, a refusal): their one message
         raise JobStopped(stopped[0]["stopped"], exit_code=stopped[0]["exit_code"])
-    report = Path(run_dir) / "hang" / "report.txt"
+    report = rundir.hang_dir(run_dir) / "report.txt"
     if report.exists() and procs[failed].exitcode == EXIT_HANG:  # it reported; else it died
         first = report.read_text().splitlines()[0]
         code = procs[failed].exitcode
@@ -152,7 +153,7 @@ def _death_message(procs, rank: int, run_dir: Path) -> str:
            f"exited with status {code} (its error is above)")
     where = ""
     try:
-        beat = json.loads((Path(run_dir) / "hang" / "heartbeat" / f"rank_{rank}.json").read_text())
+        beat = json.loads((rundir.heartbeat_dir(run_dir) / f"rank_{rank}.json").read_text())
         where = f" (its last heartbeat: step {beat.get('step')}, {beat.get('phase')})"
     except (OSError, ValueError):
         pass

@@ -12,6 +12,16 @@ from hpctrain.metrics.logger import read_jsonl
 def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
     """Write loss (train and eval) and tokens/s against step to `out_path` (PNG)."""
     records = read_jsonl(metrics_path) if metrics_path.exists() else []
+    fig = draw_run(records)
+    if fig is None:
+        return None
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+def draw_run(records: list[dict]) -> Figure | None:
+    """The figure of `plot_run` (None without a train loss); the throughput axis starts at 0,
+    so a small wobble does not look like a collapse."""
     train = [r for r in records if r.get("loss") is not None]
     if not train:
         return None
@@ -26,11 +36,11 @@ def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
     tps = [r for r in train if r.get("tokens_per_s")]
     ax_tps.plot([r["step"] for r in tps], [r["tokens_per_s"] for r in tps], color="tab:green")
     ax_tps.set(xlabel="step", ylabel="tokens/s", title="Throughput")
+    ax_tps.set_ylim(bottom=0)
     for ax in (ax_loss, ax_tps):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    return out_path
+    return fig
 
 
 def _figure(*args, figsize: tuple[float, float], **kwargs):

@@ -151,27 +151,33 @@ def _with_fit_check(cfg: Config, accept: Accept) -> Accept:
 
 
 def _lost(c: Candidate, best: Candidate) -> str:
-    """Why a runnable, fitting candidate lost to `best` (the search's order: time, then lower
-    ZeRO stage, less recomputation, less memory)."""
+    """Why a runnable, fitting candidate lost to `best`, as a sentence (the search's order:
+    time, then lower ZeRO stage, less recomputation, less memory)."""
     ratio = c.time.step_time_s / best.time.step_time_s
     if not c.exact:  # pruned by the search: its bound already loses
-        return f"slower: ≥ {ratio:.2f}× best before its pipeline bubble (not simulated)"
+        return (f"Even before its pipeline bubble it is {ratio:.2f}× slower per step than the "
+                f"chosen layout, so it was not simulated.")
     if ratio >= 1.005:
-        return f"slower: {ratio:.2f}× best" + _notes(c)
+        return f"It is {ratio:.2f}× slower per step than the chosen layout{_notes(c)}."
+    same = f"It is as fast as the chosen layout ({ratio:.3f}× its step time)"
     if c.layout.zero != best.layout.zero:
-        tie = f"ZeRO-{c.layout.zero} instead of {best.layout.zero}"
-    elif c.recompute != best.recompute:
-        tie = f"recompute={c.recompute} instead of {best.recompute}"
-    else:
-        tie = f"{c.memory.total / best.memory.total:.2f}× best's memory"
-    return f"as fast as best ({ratio:.3f}×) but {tie}"
+        return (f"{same}, but shards with ZeRO stage {c.layout.zero} where stage "
+                f"{best.layout.zero} is as fast; on a tie the lower stage wins (fewer "
+                f"collectives per step).")
+    if c.recompute != best.recompute:
+        return (f"{same}, but recomputes activations ({c.recompute}) where {best.recompute} is "
+                f"as fast; on a tie less recomputation wins.")
+    return (f"{same}, but needs {c.memory.total / best.memory.total:.2f}× its memory; on a tie "
+            f"less memory wins.")
 
 
 def _notes(c: Candidate) -> str:
-    notes = [f"bubble {c.time.bubble_fraction:.0%}"] if c.time.bubble_fraction > 0.1 else []
+    notes = ([f"its pipeline bubble is {c.time.bubble_fraction:.0%} of the step"]
+             if c.time.bubble_fraction > 0.1 else [])
     if c.time.comm_dp_s > 0.2 * c.time.step_time_s:
-        notes.append(f"dp comm {c.time.comm_dp_s / c.time.step_time_s:.0%} of step")
-    return "".join(f"; {n}" for n in notes)
+        notes.append(f"data-parallel communication takes "
+                     f"{c.time.comm_dp_s / c.time.step_time_s:.0%} of it")
+    return f": {' and '.join(notes)}" if notes else ""
 
 
 def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Candidate, str]]]:

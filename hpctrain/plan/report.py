@@ -109,5 +109,6 @@ def format_search_table(candidates: Sequence[Candidate], top: int = 5) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
     if len(candidates) > top:
-        lines.append(f"... {len(candidates) - top} more")
+        lines.append(f"... {len(candidates) - top} more: every candidate is in plan.json "
+                     "(key \"search\"); plan.top=N shows more here")
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Runs once, with no ranks. The model, layout, batch and precision come from the u
 the cluster's accelerator and links from `cluster.accelerator`, `cluster.intra_node_gb_s`,
 `cluster.inter_node_gb_s`, `cluster.achievable_fraction` (GPUs per node = procs_per_node); the
 pipeline's in-flight microbatches from the simulator. Writes `plan.json` into the run dir and
-logs a table; with `plan.search=true` also ranks every valid layout for `plan.n_devices`.
+returns its table (the CLI prints it on stdout); with `plan.search=true` also ranks every
+valid layout for `plan.n_devices`.
 """
 
 from __future__ import annotations
@@ -156,21 +157,20 @@ def run_plan(cfg: Config) -> dict[str, Any]:
                  calibration["method"], calibration["achievable_fraction_before"],
                  calibration["achievable_fraction"], 100 * calibration["error_before"],
                  100 * calibration["error_after"])
-    log.info("plan for %s on %s:\n%s", cfg.model.name, cluster.device.name,
-             format_plan_table(report))
+    text = [f"plan for {cfg.model.name} on {cluster.device.name}:", format_plan_table(report)]
     if settings.search:
         n = settings.n_devices or cfg.cluster.world_size
         found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings.dp_overlap,
                                schedules=list(settings.schedules),
                                zero_stages=list(settings.zero_stages),
                                exact_top=settings.top, **common)
-        log.info("best layouts for %d devices:\n%s", n,
-                 format_search_table(found, top=settings.top))
+        text += [f"best layouts for {n} devices:", format_search_table(found, top=settings.top)]
         report["search"] = [_candidate_json(c) for c in found]
     out = Path(cfg.run_dir) / "plan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     report["path"] = str(out)
+    report["text"] = "\n".join(text)  # printed on stdout by the CLI (hpctrain.cli.format_result)
     return report
 
 

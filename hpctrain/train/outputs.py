@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 from pathlib import Path
 from typing import Any, Protocol
@@ -13,8 +12,6 @@ from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
 from hpctrain.metrics.throughput import parameter_counts
 from hpctrain.metrics.wandb_logger import WandbLogger
-
-log = logging.getLogger(__name__)
 
 
 class Prediction(Protocol):
@@ -73,13 +70,3 @@ def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
         **parameter_counts(cfg.model),  # total, and active per token for experts
         **extra,
     }
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = [f"  {k:<22} {fmt(v)}" for k, v in summary.items() if v is not None]
-    if summary.get("mfu") is None:
-        lines.append(f"  {'mfu':<22} null (no dense bf16 peak known for this device)")
-    log.info("run summary:\n%s", "\n".join(lines))

@@ -33,18 +33,13 @@ from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
-from hpctrain.train import nonfinite
+from hpctrain.train import continuation, nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
+from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.outputs import (
-    NoPrediction,
-    Prediction,
-    make_loggers,
-    never_stop,
-    print_summary,
-    summarize,
-)
+from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
+from hpctrain.train.phases import build_note, first_step_note
 from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.setup import build_parallel_state
 from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
@@ -65,6 +60,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         torch.manual_seed(t.seed)
+        if mesh.is_logging_rank:
+            log.info("%s", build_note(cfg, device_type=mesh.device.type))
         self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
         # Built once, passed to checkpointing and metrics (hpctrain.train.setup).
         self.parallel = build_parallel_state(cfg, mesh, pipeline=self.pipeline)
@@ -102,11 +99,12 @@ class Trainer:
                                                           dp_rank=dp_rank, micro=micro))
 
     def eval_batches(self):
-        t, dp, dp_rank = self.cfg.train, self.cfg.parallel.dp, self.mesh.coord("dp")
-        n = self.val_ds.n_samples
-        for j in range(t.eval_batches):
-            first = (j * dp + dp_rank) * t.micro_batch_size
-            yield self.val_ds.rows([(first + i) % n for i in range(t.micro_batch_size)])
+        """This dp rank's share of the fixed evaluation set (hpctrain.train.eval_set)."""
+        t = self.cfg.train
+        for indices in eval_indices(self.val_ds.n_samples, samples=t.eval_samples,
+                                    dp=self.cfg.parallel.dp, dp_rank=self.mesh.coord("dp"),
+                                    micro_batch=t.micro_batch_size):
+            yield self.val_ds.rows(indices)
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
@@ -130,6 +128,11 @@ class Trainer:
         self.guard.rollbacks = train_state.get("nonfinite_rollbacks", 0)
         log.info("resumed from %s at step %d (saved at %s)", found.path, self.step,
                  " ".join(f"{k}={v}" for k, v in found.manifest.get("layout", {}).items()))
+        change = continuation.schedule_change(self.cfg.optim, step=self.step,
+                                              steps=self.cfg.train.steps,
+                                              saved_steps=train_state.get("steps"))
+        if change and self.mesh.is_logging_rank and self.step < self.cfg.train.steps:
+            log.info("%s", change)
 
     def save(self) -> Path:
         """Collective: save this step's checkpoint — started in the background with
@@ -139,7 +142,8 @@ class Trainer:
         if self.checkpointer.last_step == self.step:
             return path
         p, gbs = self.cfg.parallel, self.cfg.train.global_batch_size
-        state = {"step": self.step, "data_offset": self.data_offset,
+        state = {"step": self.step, "steps": self.cfg.train.steps,
+                 "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
                  "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero}
@@ -212,9 +216,14 @@ class Trainer:
         self.resume()
         t = self.cfg.train
         logging_rank = self.mesh.is_logging_rank
+        if self.step >= t.steps:  # every rank resumed the same step: the same branch
+            return self._already_complete()
         loggers, progress = (make_loggers(self.cfg, run_dir=self.run_dir, start_step=self.step)
                              if logging_rank else (None, None))
         reset_peak_memory(self.mesh.device)
+        if logging_rank:
+            log.info("%s", first_step_note(self.cfg, device_type=self.mesh.device.type,
+                                           start=self.step))
         extra: dict[str, Any] = {}
         with self._profiler() as prof:
             while self.step < t.steps:
@@ -240,6 +249,16 @@ class Trainer:
         extra.update(_save_summary(self.checkpointer.records))
         return self._finish(loggers, extra) if logging_rank else {}
 
+    def _already_complete(self) -> dict[str, Any]:
+        """A re-run of a finished run: nothing trained, saved or rewritten; the logging rank
+        says so and returns the run's summary.json as it is."""
+        self.checkpointer.close()
+        if not self.mesh.is_logging_rank:
+            return {}
+        log.info("%s", continuation.complete_message(self.run_dir, step=self.step,
+                                                     steps=self.cfg.train.steps))
+        return continuation.kept_summary(self.run_dir)
+
     def _should_stop(self, extra: dict[str, Any]) -> bool:
         """train.stop_after reached, or a stop signal on any rank (Slurm preemption or time
         limit, SIGINT/SIGTERM to the local launcher). The signal check is collective
@@ -247,6 +266,8 @@ class Trainer:
         next is consistent."""
         t = self.cfg.train
         if t.stop_after is not None and self.step >= t.stop_after:
+            if self.mesh.is_logging_rank and self.step < t.steps:
+                log.info("%s", continuation.stopped_early_message(step=self.step, steps=t.steps))
             return True
         if self.stop_requested():
             extra["stopped_by_signal"] = True
@@ -341,8 +362,7 @@ class Trainer:
                             evicted=self.steps_run - len(self.history))
         summary.update(self.prediction.summary(summary, mem))  # predicted vs measured
         loggers.summary(summary)
-        loggers.close()
-        print_summary(summary)
+        loggers.close()  # the CLI prints the summary last (hpctrain.cli.format_summary)
         return summary
 
     @contextlib.contextmanager

@@ -89,9 +89,9 @@ def _reported(overrides: list[str], run_dir: str) -> list[tuple[float, float, fl
 
 
 @pytest.mark.parametrize("layout", [["parallel=dp2", "train.micro_batch_size=2",
-                                     "train.eval_batches=2"],
+                                     "train.eval_samples=8"],
                                     ["parallel=pp2", "train.micro_batch_size=1",
-                                     "train.eval_batches=8"]])
+                                     "train.eval_samples=8"]])
 def test_loss_is_the_mean_over_real_tokens_at_any_split(world2, tmp_path, short_docs, layout):
     """The same 8 padded rows per step (and 8 eval rows) as one micro-batch of 8 on one process,
     or as dp=2 × 2 micro-batches of 2, or through pp=2 as 8 micro-batches of 1: the same loss,
@@ -99,7 +99,7 @@ def test_loss_is_the_mean_over_real_tokens_at_any_split(world2, tmp_path, short_
     mean of per-micro-batch means would differ with the padding of each split."""
     over = [*short_docs, "train.steps=3", "train.eval_every=3", "train.global_batch_size=8"]
     want = get_world(1).run(_reported, [*over, "train.micro_batch_size=8",
-                                        "train.eval_batches=1"], str(tmp_path / "one"))[0]
+                                        "train.eval_samples=8"], str(tmp_path / "one"))[0]
     runs = world2.run(_reported, [*over, *layout, "cluster.procs_per_node=2"],
                       str(tmp_path / "split"))
     for got in runs:

@@ -35,7 +35,7 @@ def _start(run_dir: Path) -> subprocess.Popen:
 
 def _beat(run_dir: Path, rank: int) -> dict | None:
     try:
-        return json.loads((run_dir / "hang" / "heartbeat" / f"rank_{rank}.json").read_text())
+        return json.loads((run_dir / ".hpctrain" / "heartbeat" / f"rank_{rank}.json").read_text())
     except (OSError, ValueError):
         return None
 

@@ -1,6 +1,6 @@
 """Bad inputs through the real entry point: exit code 2, one message, no traceback, no rank.
 
-`.rendezvous` is the first file a launch writes (launch.local), metrics.jsonl the first a
+`.hpctrain/rendezvous` is the first file a launch writes (launch.local), metrics.jsonl the first a
 rank writes: neither may exist after a refusal.
 """
 
@@ -22,14 +22,14 @@ def _refused(overrides: list[str], run_dir) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out and "Error executing job" not in out, out
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / ".rendezvous").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / ".hpctrain").exists()
     return out
 
 
 def test_many_mistakes_one_message(tmp_path):
     out = _refused([*SMALL, "parallel.dp=0", "model.n_heads=0", "+trian.steps=10",
                     "train.resume=nevr", "optim.min_lr=1", "optim.beta1=1.5",
-                    "train.grad_clip=-1", "train.eval_batches=0"], tmp_path)
+                    "train.grad_clip=-1", "train.eval_samples=0"], tmp_path)
     assert "invalid configuration (8 problem(s))" in out
     for text in ("parallel.dp=0 must be > 0", "model.n_heads=0 must be > 0",
                  "did you mean train.steps?", "did you mean train.resume=never?",

@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import get_world
 from tests.parallel.trainer_runs import run_trainer
 
-EVAL = ["train.eval_every=2", "train.eval_batches=5"]  # 5 > m=4: two forward-only chunks
+EVAL = ["train.eval_every=2", "train.eval_samples=10"]  # 5 micro-batches > m=4: two chunks
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1),
              ("zbv", 1)]
 

@@ -48,4 +48,4 @@ def test_search_table_top_rows():
     lines = text.splitlines()
     assert lines[0].startswith("#") and "reason" in lines[0]
     assert "best" in lines[1] and len(lines) == 5
-    assert lines[-1] == f"... {len(out) - 3} more"
+    assert lines[-1].startswith(f"... {len(out) - 3} more: every candidate is in plan.json")

@@ -29,7 +29,9 @@ def test_plan_cli_writes_plan_json(tmp_path):
     assert mem["params"] == 2 * psi and mem["optimizer"] == pytest.approx(12 * psi / 8)
     assert plan["fits"] is True and plan["step_time_s"] > 0 and 0 < plan["mfu"] < 1
     assert plan["search"][0]["reason"] == "best"
-    assert "best layouts for 8 devices" in proc.stderr + proc.stdout
+    assert "best layouts for 8 devices" in proc.stdout and "more: every candidate is in "\
+        "plan.json" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"outputs: {tmp_path / 'plan.json'}")
 
 
 @pytest.mark.parametrize("overrides,message", [

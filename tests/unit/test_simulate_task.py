@@ -26,7 +26,9 @@ def test_simulate_cli_writes_json_and_png(tmp_path):
     assert report["bubble_rate"] == pytest.approx(bubble / (8 * 2.5 + bubble))
     assert report["peak_activations"] == [4, 3, 2, 1]
     assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    assert "bubble rate" in proc.stderr + proc.stdout
+    assert "bubble rate" in proc.stdout and "bubble rate" not in proc.stderr  # a result
+    assert proc.stdout.rstrip().endswith(f"outputs: {out / 'simulation.json'}, "
+                                         f"{out / 'timeline.png'}")
 
 
 def test_simulate_needs_no_world_and_checks_schedule(tmp_path):

@@ -98,7 +98,7 @@ def test_message_names_rank_host_step_and_the_slurm_exclude_line(tmp_path):
     beats = hang_report.read_heartbeats(tmp_path / "heartbeat", world_size=2)
     culprits = hang_report.suspects(beats, now=now, stale_s=5)
     args = dict(reporter=0, host="n1", step=7, phase="train", where="all_reduce from x.py:3",
-                culprits=culprits, hang_dir=tmp_path)
+                culprits=culprits, hang_dir=tmp_path, beats_dir=tmp_path / "heartbeat")
     text = hang_report.format_message("Timed out", slurm=True, **args)
     assert text.startswith("hang: rank 1 (host gpu-17) stopped responding")
     assert "step 7 (train)" in text and "waiting in all_reduce from x.py:3" in text

@@ -25,8 +25,7 @@ from hpctrain.parallel.context.shard import ShardDocuments
 def _gather(kv_2BKSH: torch.Tensor, comm: RingComm) -> torch.Tensor:
     """R×2×B×K×S×H: every cp rank's key/value shard, in cp rank order."""
     out = kv_2BKSH.new_empty(comm.size * 2, *kv_2BKSH.shape[1:])  # gloo: gathered on dim 0
-    work = dist.all_gather_into_tensor(out, kv_2BKSH.contiguous(), group=comm.group,
-                                       async_op=True)
+    work = dist.all_gather_single(out, kv_2BKSH.contiguous(), group=comm.group, async_op=True)
     work.wait(comm.timeout)
     comm.bytes_sent += (comm.size - 1) * kv_2BKSH.numel() * kv_2BKSH.element_size()
     return out.view(comm.size, *kv_2BKSH.shape)
@@ -60,7 +59,7 @@ class _AllGatherAttention(torch.autograd.Function):
             attend_backward(dq, d_every[src], q, every[src], do, lse, d, src=src, docs=ctx.docs,
                             comm=comm)
         dkv_2BKSH = torch.empty_like(kv_2BKSH)
-        work = dist.reduce_scatter_tensor(dkv_2BKSH, d_every.flatten(0, 1), group=comm.group,
+        work = dist.reduce_scatter_single(dkv_2BKSH, d_every.flatten(0, 1), group=comm.group,
                                           async_op=True)
         work.wait(comm.timeout)
         comm.bytes_sent += (comm.size - 1) * kv_2BKSH.numel() * kv_2BKSH.element_size()

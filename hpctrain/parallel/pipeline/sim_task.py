@@ -67,5 +67,5 @@ def run_simulate(cfg: Config) -> dict[str, Any]:
                               f"m={schedule.n_microbatches}, bubble {result.bubble_rate:.3f}")
     out = {**report, "timeline_png": str(png), "schedule_csv": schedule.to_csv()}
     (run_dir / "simulation.json").write_text(json.dumps(out, indent=2))
-    log.info("pipeline simulation (%s):\n%s", run_dir / "simulation.json", format_table(report))
-    return out
+    # The table is the task's result: the CLI prints it on stdout (hpctrain.cli.format_result).
+    return {**out, "json": str(run_dir / "simulation.json"), "text": format_table(report)}

@@ -68,7 +68,7 @@ def _all_gather(x: torch.Tensor, dim: int, group, counter) -> torch.Tensor:
     p = _size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((p * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    dist.all_gather_single(out, moved, group=group)
     if counter is not None:
         counter.add("all_gather", (p - 1) * _nbytes(out) // p)
     return out.movedim(0, dim)
@@ -81,7 +81,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, counter) -> torch.Tensor:
                          f"ranks: make the sequence length a multiple of tp={p}")
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // p, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    dist.reduce_scatter_single(out, moved, group=group)
     if counter is not None:
         counter.add("reduce_scatter", (p - 1) * _nbytes(x) // p)
     return out.movedim(0, dim)

@@ -1,0 +1,155 @@
+"""What `python -m hpctrain` shows a person: `<group> --help` from the schema, Hydra's own
+composition errors as hpctrain's one message, and the run summary set apart on stdout.
+
+Everything here returns text; hpctrain.__main__ writes it (logs on stderr, results on stdout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import MissingConfigException, OverrideParseException
+
+from hpctrain.config import Problem, _unknown, format_problems
+from hpctrain.schema import SCHEMAS
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+_FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Field → its meaning: the comment above the field (joined) and the one after it."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out, above = {}, []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+            continue
+        m = _FIELD.match(line)
+        if m:
+            out[m.group(1)] = " ".join([*above, m.group(2) or ""]).strip()
+        above = []
+    return out
+
+
+def _choices(hint: Any) -> tuple | None:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return args
+    for a in args:  # Optional[Literal[...]]
+        if typing.get_origin(a) is typing.Literal:
+            return typing.get_args(a)
+    return None
+
+
+def _yaml(v: Any) -> str:
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return _yaml(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return str(f.default_factory())
+    return "(set by the preset)"
+
+
+def group_help(name: str) -> str | None:
+    """`python -m hpctrain <group> --help` (or `<group>.<key> --help`): each key's meaning,
+    default and choices from the dataclass, and the group's presets; None for no such group."""
+    group, _, key = name.partition(".")
+    cls = SCHEMAS.get(group)
+    if cls is None:
+        return None
+    hints, notes = typing.get_type_hints(cls), field_comments(cls)
+    rows = [f for f in dataclasses.fields(cls) if not key or f.name == key]
+    if not rows:
+        return None
+    lines = [f"{group}: {(cls.__doc__ or '').strip().splitlines()[0]}"
+             if cls.__doc__ and not cls.__doc__.startswith(cls.__name__) else f"{group}:"]
+    for f in rows:
+        choices = _choices(hints[f.name])
+        lines.append(f"  {group}.{f.name} = {_default(f)}"
+                     + (f"   choices: {' | '.join(map(_yaml, choices))}" if choices else ""))
+        if notes.get(f.name):
+            lines.append(f"      {notes[f.name]}")
+    presets = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    if presets and not key:
+        lines.append(f"presets: {group}={' | '.join(presets)}")
+    return "\n".join(lines)
+
+
+def hydra_error_message(err: BaseException) -> str | None:
+    """A Hydra composition error (a misspelled option or key, a bad override) as hpctrain's
+    one message with the fix; None for anything else (a bug: its traceback is shown)."""
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.partition("/")
+        options = list(err.options or [])
+        close = difflib.get_close_matches(option, options, n=1)
+        fix = f"did you mean {group}={close[0]}? " if close else ""
+        return format_problems([f"{group}={option}: no such {group} option; {fix}(options: "
+                                f"{', '.join(options)}; python -m hpctrain {group} --help)"])
+    text = str(err)
+    m = re.match(r"Could not override '([\w.]+)'", text)
+    if m:
+        return format_problems([_unknown_key(m.group(1))])
+    if isinstance(err, OverrideParseException):
+        return format_problems([f"cannot read the override {err.override!r}: {err.message}"])
+    if type(err).__module__.startswith("hydra"):
+        cause = f" ({err.__cause__})" if err.__cause__ else ""
+        return format_problems([f"{text.strip()}{cause}"])
+    return None
+
+
+def _unknown_key(dotted: str) -> Problem | str:
+    group, _, key = dotted.partition(".")
+    cls = SCHEMAS.get(group)
+    if cls is None or not key or "." in key:
+        return f"unknown key {dotted}: python -m hpctrain --help lists the groups"
+    names = [f.name for f in dataclasses.fields(cls)]
+    return _unknown(group, key, names)
+
+
+def format_result(task: str, result: dict[str, Any]) -> str | None:
+    """What a task shows on stdout when it ends: its numbers and where its outputs went."""
+    if task == "train":
+        return format_summary(result)
+    if task == "simulate":
+        return (f"{result['text']}\noutputs: {result['json']}, {result['timeline_png']}")
+    if task == "plan":
+        return f"{result['text']}\noutputs: {result['path']}"
+    if task == "bench":
+        report = Path(result["report"])
+        body = report.read_text() if report.exists() else ""
+        return f"{body}\noutputs: {result['report']}, {result['json']}"
+    if task == "prepare":
+        return f"prepared tokens: {result['data_dir']}"
+    return None
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The run summary, set apart by rules, ending with where the outputs are."""
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    rule = "─" * 78
+    lines = [rule, "run summary", *(f"  {k:<22} {fmt(v)}" for k, v in summary.items()
+                                    if v is not None)]
+    if "mfu" in summary and summary["mfu"] is None:
+        lines.append(f"  {'mfu':<22} null (no dense bf16 peak known for this device)")
+    if summary.get("run_dir"):
+        lines.append(f"outputs in {summary['run_dir']} (summary.json, metrics.jsonl, "
+                     "training.png, checkpoints/)")
+    return "\n".join([*lines, rule])
