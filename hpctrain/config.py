@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.hf_config import resolve_init_from
 
 
 @dataclass(frozen=True)
@@ -386,13 +387,26 @@ def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[P
     raw.pop("hydra", None)
     task = raw.pop("task", {"name": "train"})
     task_name = task.get("name", "train") if isinstance(task, dict) else str(task)
-    built = {name: build_checked(cls, name, raw.pop(name, {}) or {})
+    model, hf_problems = _model_group(raw.pop("model", {}) or {})
+    built = {name: build_checked(cls, name, model if name == "model" else raw.pop(name, {}) or {})
              for name, cls in _GROUPS.items()}
     problems = [p for _, found in built.values() for p in found] + _unknown_groups(raw)
+    problems += [Problem("model.init_from", text) for text in hf_problems]
     groups = {name: obj for name, (obj, _) in built.items()}
     if any(obj is None for obj in groups.values()):
         return None, problems
     return Config(task=task_name, run_dir=run_dir, extra=raw, **groups), problems
+
+
+def _model_group(raw: Any) -> tuple[Any, list[str]]:
+    """The model group, its shape taken from `model.init_from`'s config.json when set
+    (hpctrain.models.hf_config.resolve_init_from), and the problems found there."""
+    if not isinstance(raw, dict):
+        return raw, []
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING
+                else dataclasses.asdict(f.default_factory())
+                for f in fields(ModelConfig) if not _no_default(f)}
+    return resolve_init_from(raw, defaults=defaults)
 
 
 def _unknown_groups(raw: dict[str, Any]) -> list[Problem]:

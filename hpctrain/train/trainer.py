@@ -36,6 +36,7 @@ from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
+from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import (
     NoPrediction,
@@ -85,6 +86,7 @@ class Trainer:
         # grows for the whole run; `steps_run` counts them all.
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
         self.steps_run = 0
+        self.init_bytes_read = 0  # read from model.init_from's safetensors (this rank's share)
         self.step = 0
         self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
@@ -110,14 +112,20 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
+        """Continue from a checkpoint (train.resume) when there is one; else start from
+        model.init_from's weights when set (hpctrain.train.hf_import), else from the init."""
         mode = self.cfg.train.resume
-        if mode == "never":
-            return
         # Chosen and verified on rank 0 for every rank; unverified ones are skipped (auto) or
         # refused (an explicit directory), another model shape is refused in load.
-        found = (ckpt.agreed_latest(self.run_dir) if mode == "auto"
-                 else ckpt.agreed_verified(Path(mode)))
+        found = None if mode == "never" else (
+            ckpt.agreed_latest(self.run_dir) if mode == "auto"
+            else ckpt.agreed_verified(Path(mode)))
         if found is None:
+            if self.cfg.model.init_from:
+                self.init_bytes_read = load_hf_weights(self.cfg.model.init_from,
+                                                       parallel=self.parallel)
+                log.info("initial weights from %s (%d bytes read on this rank)",
+                         self.cfg.model.init_from, self.init_bytes_read)
             return
         train_state, rank_state = ckpt.load(found, parallel=self.parallel,
                                             model_config=self.cfg.model)
