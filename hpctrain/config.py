@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -196,7 +197,7 @@ class LoggerConfig:
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
 
 
-Task = Literal["train", "simulate", "bench", "plan", "prepare"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare", "export"]
 
 
 @dataclass(frozen=True)
@@ -256,18 +257,19 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
     if not isinstance(values, dict):
         return None, [Problem(group, f"{group}={values!r} must be a group of keys "
                                      f"({group}.<key>=<value>)")]
-    names = {f.name: f for f in fields(cls)}
+    names = {config_key(f.name): f for f in fields(cls)}
     problems = [_unknown(group, key, list(names)) for key in values if key not in names]
     hints, kwargs = typing.get_type_hints(cls), {}
     for name, value in values.items():
         if name in names:
+            f = names[name]
             try:
-                kwargs[name] = _coerce(f"{group}.{name}", value, hints[name])
+                kwargs[f.name] = _coerce(f"{group}.{name}", value, hints[f.name])
             except ChoiceError as err:  # names the allowed values and the closest one
                 problems.append(Problem(f"{group}.{name}", str(err)))
             except ValueError as err:
                 problems.append(Problem(f"{group}.{name}",
-                                        f"{err}{_example(group, names[name], hints[name])}"))
+                                        f"{err}{_example(group, f, hints[f.name])}"))
     missing = [f for f in names.values() if f.name not in kwargs and _no_default(f)]
     if missing and not values:
         return None, [Problem(group, f"the {group} group is missing: choose one, e.g. "
@@ -276,6 +278,13 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
                          f"{group}.{f.name}=<{_type_name(hints[f.name])}>")
                  for f in missing if f.name not in values]
     return (None if missing else cls(**kwargs)), problems
+
+
+def config_key(field_name: str) -> str:
+    """The key of a dataclass field: its name, but `from_` is the key `from` (a field cannot
+    be named after a Python keyword)."""
+    bare = field_name.removesuffix("_")
+    return bare if bare != field_name and keyword.iskeyword(bare) else field_name
 
 
 def _unknown(group: str, key: str, names: list[str]) -> Problem:
@@ -377,7 +386,7 @@ _GROUPS = {
 
 
 # Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
-TASK_GROUPS = ("bench", "simulate", "plan")
+TASK_GROUPS = ("bench", "simulate", "plan", "export")
 
 
 def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:

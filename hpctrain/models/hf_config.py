@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hpctrain.models.config import ModelConfig
+
 FAMILIES = ("llama",)
 MISSING = "???"  # OmegaConf's missing value
 
@@ -147,3 +149,27 @@ def resolve_init_from(raw: dict[str, Any], *,
     if out.get("name", MISSING) == MISSING:
         out["name"] = Path(directory).name
     return out, problems
+
+
+def hf_config(m: ModelConfig, *, dtype: str) -> dict[str, Any]:
+    """The Llama config.json of model `m` (the inverse of `model_keys`): RoPE written both as
+    transformers ≥ 5 reads it (`rope_parameters`) and as 4.x does (`rope_theta`,
+    `rope_scaling`)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling.type == "llama3":
+        s = m.rope_scaling
+        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_seq_len)
+    scaling = None if rope["rope_type"] == "default" else {
+        k: v for k, v in rope.items() if k != "rope_theta"}
+    name = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": m.vocab_size, "hidden_size": m.dim, "intermediate_size": m.ffn_dim,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
+            "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": 0.0, "tie_word_embeddings": m.tied_embeddings,
+            "rope_parameters": rope, "rope_theta": m.rope_theta, "rope_scaling": scaling,
+            "dtype": name, "torch_dtype": name}

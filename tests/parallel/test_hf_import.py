@@ -14,12 +14,12 @@ pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-def _first_step(overrides: list[str], run_dir: str):
-    """Rank side: one step from the imported weights; (loss, this rank's bytes read by the
-    import, the step's micro-batches)."""
+def _first_step(overrides: list[str], run_dir: str, steps: int = 1):
+    """Rank side: `steps` steps from the imported weights; (the first loss, this rank's bytes
+    read by the import, the first step's micro-batches)."""
     base = tuple(o for o in BASE if not o.startswith("model="))
     # packing=none: each row is one sequence, as transformers reads it
-    trainer = run_trainer(["model=hf", "data.packing=none", *overrides], run_dir, steps=1,
+    trainer = run_trainer(["model=hf", "data.packing=none", *overrides], run_dir, steps=steps,
                           base=base)
     return trainer.history[0]["loss"], trainer.init_bytes_read, list(trainer.micro_batches(0))
 

@@ -27,7 +27,8 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"]}  # options with a required key
+NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"],  # options with a required key
+         ("task", "export"): ["export.from=outputs/run1", "export.out=hf/run1"]}
 
 
 @pytest.mark.parametrize("group", ["cluster", "model", "parallel", "train", "optim", "data",
