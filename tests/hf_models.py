@@ -30,6 +30,18 @@ def tiny_llama(*, tied: bool, dtype=torch.float32, seed: int = 0, **extra):
     return model
 
 
+def tiny_mistral(*, seed: int = 0):
+    """A random MistralForCausalLM of `tiny_llama`'s shape without a sliding window (as
+    Mistral 7B v0.2+), default RoPE."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=128, sliding_window=None)
+    return MistralForCausalLM(cfg).eval()
+
+
 def save_tiny_llama(directory: Path, **kw):
     """`tiny_llama(**kw)` saved with save_pretrained (safetensors); returns the model."""
     model = tiny_llama(**kw)

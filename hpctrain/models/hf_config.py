@@ -1,11 +1,13 @@
 """A Hugging Face model directory as hpctrain's model: its config.json as `model.*` keys, and
 each hpctrain weight's name in its safetensors.
 
-hpctrain's Transformer equals transformers' `LlamaForCausalLM` through a pure renaming of
-weights (`hf_weight_name`; rotate-half RoPE on both sides, RMSNorm and SwiGLU alike), so an
-import is a renaming plus the shape below. Everything in a config.json that would change what
-the model computes and that hpctrain does not implement is refused, naming field and value
-(`unsupported`), before any rank starts. Nothing here needs transformers.
+hpctrain's Transformer equals transformers' `LlamaForCausalLM` (and `MistralForCausalLM`
+without a sliding window) through a pure renaming of weights (`hf_weight_name`; rotate-half
+RoPE on both sides, RMSNorm and SwiGLU alike), so an import is a renaming plus the shape
+below. An export writes a Llama directory (a Mistral without sliding window is one).
+Everything in a config.json that would change what the model computes and that hpctrain does
+not implement is refused, naming field and value (`unsupported`), before any rank starts.
+Nothing here needs transformers.
 
 With `model.init_from=<dir>` the shape comes from `<dir>/config.json` (`resolve_init_from`):
 a `model.*` key still at its schema default takes the file's value; one set to anything else
@@ -22,7 +24,7 @@ from typing import Any
 
 from hpctrain.models.config import ModelConfig
 
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "mistral")  # Mistral: Llama's modules and names, sliding_window null
 MISSING = "???"  # OmegaConf's missing value
 
 # hpctrain name pattern → Hugging Face name (per block: layers.<i>.).

@@ -20,3 +20,15 @@ def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
     assert cfg.extra["export"]["from"] == str(tmp_path)
     with pytest.raises(ValueError, match="holds no verified checkpoint"):
         launch(cfg)
+
+
+def test_the_runs_hf_tokenizer_directory_is_found(tmp_path):
+    from hpctrain.train.hf_export import run_tokenizer_dir
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    saved = tmp_path / "run" / ".hydra" / "config.yaml"
+    saved.write_text(f"data:\n  tokenizer_path: {tmp_path / 'tok'}\n")
+    assert run_tokenizer_dir(tmp_path / "run") == tmp_path / "tok"
+    saved.write_text("data:\n  tokenizer_path: null\n")  # a built-in tokenizer: nothing to copy
+    assert run_tokenizer_dir(tmp_path / "run") is None

@@ -13,7 +13,7 @@ from hpctrain.models import build_model
 from hpctrain.models.hf_config import hf_weight_name
 from hpctrain.ops.rope import inv_frequencies
 from tests.conftest import make_config
-from tests.hf_models import save_tiny_llama
+from tests.hf_models import save_tiny_llama, tiny_mistral
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -48,11 +48,13 @@ def _hf_in_fp64(hf, inv_freq_H2: torch.Tensor) -> None:
             m.forward = norm_of(m)
 
 
-def _imported(tmp_path, *, tied: bool, dtype):
-    hf = save_tiny_llama(tmp_path, tied=tied, dtype=dtype)
+def _imported(tmp_path, *, tied: bool, dtype, hf=None):
+    if hf is None:
+        hf = save_tiny_llama(tmp_path, tied=tied, dtype=dtype)
+    else:
+        hf.save_pretrained(tmp_path)
     cfg = make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
-    assert (cfg.model.dim, cfg.model.tied_embeddings, cfg.model.rope_scaling.type) == (
-        64, tied, "llama3")
+    assert (cfg.model.dim, cfg.model.tied_embeddings) == (64, tied)
     model = build_model(cfg.model, seed=0).to(dtype)
     model.load_state_dict(_renamed(tmp_path, model))
     return hf, model, cfg
@@ -65,6 +67,7 @@ TOKENS = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed
 def test_logits_equal_transformers_fp64(tmp_path, tied):
     hf, model, cfg = _imported(tmp_path, tied=tied, dtype=torch.float64)
     m = cfg.model
+    assert cfg.model.rope_scaling.type == "llama3"
     ours_H2 = inv_frequencies(m.head_dim, theta=m.rope_theta, scaling=m.rope_scaling)
     # Llama 3.1 scaling: the same frequencies as transformers' (computed there in fp32)
     theirs_H2 = hf.model.rotary_emb.inv_freq.double()
@@ -76,8 +79,10 @@ def test_logits_equal_transformers_fp64(tmp_path, tied):
     assert (got - want).abs().max().item() <= 1e-12
 
 
-def test_logits_equal_transformers_fp32(tmp_path):
-    hf, model, _ = _imported(tmp_path, tied=True, dtype=torch.float32)
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_logits_equal_transformers_fp32(tmp_path, family):
+    mistral = tiny_mistral() if family == "mistral" else None
+    hf, model, _ = _imported(tmp_path, tied=mistral is None, dtype=torch.float32, hf=mistral)
     with torch.no_grad():
         want, got = hf(TOKENS).logits, model(TOKENS)
     assert (got - want).abs().max().item() <= 1e-5
