@@ -33,16 +33,21 @@ def _hf_loss(hf, micro) -> float:
 
 
 @pytest.mark.parametrize(("layout", "tied"), [("parallel.tp=2", False),
-                                              ("parallel=pp2", True)])
+                                              ("parallel=pp2", True),
+                                              ("parallel.dp=2 parallel.zero=3", True)])
 def test_first_step_loss_equals_transformers(world2, tmp_path, layout, tied):
     hf = save_tiny_llama(tmp_path / "hf", tied=tied)
-    runs = world2.run(_first_step, [f"model.init_from={tmp_path / 'hf'}", layout],
+    runs = world2.run(_first_step, [f"model.init_from={tmp_path / 'hf'}", *layout.split()],
                       str(tmp_path / "run"))
     loss = next(r[0] for r in runs if r[0] == r[0])  # pp: the last stage's rank reports it
-    assert loss == pytest.approx(_hf_loss(hf, runs[0][2]), rel=1e-5, abs=1e-6)
+    micro = [m for r in runs for m in r[2]]  # dp: both ranks' batches (tp, pp: the same twice)
+    assert loss == pytest.approx(_hf_loss(hf, micro), rel=1e-5, abs=1e-6)
+    files = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    total = sum(t.numel() * 4 for t in files.values())
+    reads = [r[1] for r in runs]
     if layout == "parallel.tp=2":  # norm gains whole on each rank, every matrix halved
-        files = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
         share = sum(t.numel() * 4 // (1 if name.endswith("norm.weight") else 2)
                     for name, t in files.items())
-        assert [r[1] for r in runs] == [share, share]
-        assert share < 0.6 * sum(t.numel() * 4 for t in files.values())
+        assert reads == [share, share] and share < 0.6 * total
+    if "zero=3" in layout:  # every element read once, by the rank whose shard holds it
+        assert sum(reads) == total and max(reads) < 0.6 * total
