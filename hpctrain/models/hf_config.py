@@ -137,6 +137,9 @@ def resolve_init_from(raw: dict[str, Any], *,
         return raw, [f"model.init_from={directory}: config.json sets what hpctrain does not "
                      f"implement: {'; '.join(bad)}; convert the model or choose another"]
     out, problems = dict(raw), []
+    if raw.get("moe", defaults.get("moe")) != defaults.get("moe"):
+        problems.append(f"model.moe.* is set, but model.init_from={directory} is a dense "
+                        f"{hf.get('model_type')} model: drop the model.moe.* keys")
     for key, value in model_keys(hf).items():
         given = raw.get(key, MISSING)
         if given in (MISSING, defaults.get(key, MISSING)) or given == value:

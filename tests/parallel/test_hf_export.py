@@ -20,12 +20,15 @@ TOKENS = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(
 
 
 def _logits_from(checkpoint: str, directory: str, run_dir: str) -> torch.Tensor:
-    """Rank side (one process): hpctrain's logits after resuming `checkpoint`."""
+    """Rank side (one process): hpctrain's logits after resuming `checkpoint` (which takes
+    precedence over model.init_from), before any step."""
     from tests.parallel.trainer_runs import BASE, run_trainer
 
     base = tuple(o for o in BASE if not o.startswith("model="))
     trainer = run_trainer(["model=hf", f"model.init_from={directory}", "data.packing=none",
-                           f"train.resume={checkpoint}"], run_dir, steps=2, base=base)
+                           f"train.resume={checkpoint}"], run_dir, steps=3, base=base,
+                          run=False)
+    trainer.resume()
     with torch.no_grad():
         return trainer.model(TOKENS)
 

@@ -20,9 +20,9 @@ BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=2
 
 
 def run_trainer(overrides: list[str], run_dir: str, *, steps: int,
-                base: tuple[str, ...] = tuple(BASE)) -> Trainer:
-    """The real Trainer on this rank of the world (cluster = the world), after `run()`;
-    `base`: the overrides before `overrides` (BASE, which picks model=debug)."""
+                base: tuple[str, ...] = tuple(BASE), run: bool = True) -> Trainer:
+    """The real Trainer on this rank of the world (cluster = the world), after `run()`
+    (`run=False`: as built); `base`: the overrides before `overrides` (BASE: model=debug)."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     cfg = make_config([*base, f"train.steps={steps}",
                        f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
@@ -31,7 +31,8 @@ def run_trainer(overrides: list[str], run_dir: str, *, steps: int,
                         cp=cfg.parallel.cp, ep=cfg.parallel.ep)
     mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     trainer = Trainer(cfg, mesh)
-    trainer.run()
+    if run:
+        trainer.run()
     return trainer
 
 

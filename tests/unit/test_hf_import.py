@@ -97,6 +97,9 @@ def test_a_contradicting_model_key_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model.n_heads=8 contradicts"):
         make_config(["model=hf", f"model.init_from={tmp_path}", "model.n_heads=8"],
                     run_dir=tmp_path)
+    with pytest.raises(ValueError, match="model.moe.* is set, but model.init_from="):
+        make_config(["model=hf", f"model.init_from={tmp_path}", "model.moe.num_experts=4"],
+                    run_dir=tmp_path)
     # a shorter context is allowed: a shorter RoPE table, the same weights
     cfg = make_config(["model=hf", f"model.init_from={tmp_path}", "model.max_seq_len=64",
                        "train.seq_len=64"],
