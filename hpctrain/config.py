@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.hf_config import resolve_init_from
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ class LoggerConfig:
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
 
 
-Task = Literal["train", "simulate", "bench", "plan", "prepare"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare", "export"]
 
 
 @dataclass(frozen=True)
@@ -257,18 +259,19 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
     if not isinstance(values, dict):
         return None, [Problem(group, f"{group}={values!r} must be a group of keys "
                                      f"({group}.<key>=<value>)")]
-    names = {f.name: f for f in fields(cls)}
+    names = {config_key(f.name): f for f in fields(cls)}
     problems = [_unknown(group, key, list(names)) for key in values if key not in names]
     hints, kwargs = typing.get_type_hints(cls), {}
     for name, value in values.items():
         if name in names:
+            f = names[name]
             try:
-                kwargs[name] = _coerce(f"{group}.{name}", value, hints[name])
+                kwargs[f.name] = _coerce(f"{group}.{name}", value, hints[f.name])
             except ChoiceError as err:  # names the allowed values and the closest one
                 problems.append(Problem(f"{group}.{name}", str(err)))
             except ValueError as err:
                 problems.append(Problem(f"{group}.{name}",
-                                        f"{err}{_example(group, names[name], hints[name])}"))
+                                        f"{err}{_example(group, f, hints[f.name])}"))
     missing = [f for f in names.values() if f.name not in kwargs and _no_default(f)]
     if missing and not values:
         return None, [Problem(group, f"the {group} group is missing: choose one, e.g. "
@@ -286,6 +289,13 @@ REPLACED = {
                           "split over the dp ranks: e.g. train.eval_samples=16 for the old "
                           "train.eval_batches=4 with train.micro_batch_size=4 at dp=1",
 }
+
+
+def config_key(field_name: str) -> str:
+    """The key of a dataclass field: its name, but `from_` is the key `from` (a field cannot
+    be named after a Python keyword)."""
+    bare = field_name.removesuffix("_")
+    return bare if bare != field_name and keyword.iskeyword(bare) else field_name
 
 
 def _unknown(group: str, key: str, names: list[str]) -> Problem:
@@ -389,7 +399,7 @@ _GROUPS = {
 
 
 # Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
-TASK_GROUPS = ("bench", "simulate", "plan")
+TASK_GROUPS = ("bench", "simulate", "plan", "export")
 
 
 def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:
@@ -399,13 +409,26 @@ def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[P
     raw.pop("hydra", None)
     task = raw.pop("task", {"name": "train"})
     task_name = task.get("name", "train") if isinstance(task, dict) else str(task)
-    built = {name: build_checked(cls, name, raw.pop(name, {}) or {})
+    model, hf_problems = _model_group(raw.pop("model", {}) or {})
+    built = {name: build_checked(cls, name, model if name == "model" else raw.pop(name, {}) or {})
              for name, cls in _GROUPS.items()}
     problems = [p for _, found in built.values() for p in found] + _unknown_groups(raw)
+    problems += [Problem("model.init_from", text) for text in hf_problems]
     groups = {name: obj for name, (obj, _) in built.items()}
     if any(obj is None for obj in groups.values()):
         return None, problems
     return Config(task=task_name, run_dir=run_dir, extra=raw, **groups), problems
+
+
+def _model_group(raw: Any) -> tuple[Any, list[str]]:
+    """The model group, its shape taken from `model.init_from`'s config.json when set
+    (hpctrain.models.hf_config.resolve_init_from), and the problems found there."""
+    if not isinstance(raw, dict):
+        return raw, []
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING
+                else dataclasses.asdict(f.default_factory())
+                for f in fields(ModelConfig) if not _no_default(f)}
+    return resolve_init_from(raw, defaults=defaults)
 
 
 def _unknown_groups(raw: dict[str, Any]) -> list[Problem]:

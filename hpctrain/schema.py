@@ -23,14 +23,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from hpctrain.bench.config import BenchConfig
-from hpctrain.config import _GROUPS, TaskConfig
+from hpctrain.config import _GROUPS, TaskConfig, config_key
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
 from hpctrain.plan.task import PlanConfig
+from hpctrain.train.hf_export import ExportConfig
 
 # Every group Hydra composes → its dataclass. bench/plan/simulate reach Config.extra and are
 # built by their tasks (bench.config.bench_config, plan.task.plan_settings, sim_task).
 SCHEMAS: dict[str, type] = {**_GROUPS, "task": TaskConfig, "bench": BenchConfig,
-                            "plan": PlanConfig, "simulate": SimulateConfig}
+                            "plan": PlanConfig, "simulate": SimulateConfig,
+                            "export": ExportConfig}
 
 
 def defaults_of(cls: type) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def defaults_of(cls: type) -> dict[str, Any]:
             continue
         if dataclasses.is_dataclass(value):  # a nested group (model.moe): its own defaults
             value = defaults_of(type(value))
-        out[f.name] = list(value) if isinstance(value, tuple) else value
+        out[config_key(f.name)] = list(value) if isinstance(value, tuple) else value
     return out
 
 

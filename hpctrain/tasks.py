@@ -19,6 +19,7 @@ from hpctrain.parse import runnable_problems
 from hpctrain.plan.auto import write_plan
 from hpctrain.plan.predict import RunPrediction
 from hpctrain.plan.task import run_plan
+from hpctrain.train.hf_export import export_hf, export_settings
 from hpctrain.train.trainer import Trainer
 from hpctrain.validate import reads_data
 from hpctrain.validate_inputs import check_prepared
@@ -52,8 +53,14 @@ def prepare_task(cfg: Config) -> dict[str, Any]:
     return {"data_dir": str(out), **json.loads((out / "meta.json").read_text())}
 
 
+def export_task(cfg: Config) -> dict[str, Any]:
+    """A checkpoint as a Hugging Face directory (hpctrain.train.hf_export)."""
+    return export_hf(export_settings(cfg.extra))
+
+
 # Analytical tasks run once in this process, with no ranks.
-ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task}
+ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task,
+              "export": export_task}
 
 
 def preflight(cfg: Config) -> None:

@@ -22,6 +22,7 @@ from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
+from hpctrain.train.hf_export import export_settings
 from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
@@ -287,6 +288,11 @@ def check_cluster_spec(c: Config) -> list[str]:
     return _errors_of(c, cluster_spec)
 
 
+def check_export(c: Config) -> list[str]:
+    """task=export: export.from and export.out are given, export.* keys known and typed."""
+    return _errors_of(c, lambda cfg: export_settings(cfg.extra))
+
+
 def reads_data(c: Config) -> bool:
     """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
@@ -340,6 +346,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_bench: ("bench", "cluster.", "parallel."),
     check_simulate: _BATCH,
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
+    check_export: ("export",),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
@@ -360,6 +367,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
              check_plan),
     # task=prepare tokenises the data once, no ranks: only what it reads and writes matters.
     "prepare": (check_data_paths, check_format, check_tokenizer, check_cache_dir),
+    # task=export reads one checkpoint, no ranks, no data: its model comes from the checkpoint.
+    "export": (check_export,),
 }
 
 

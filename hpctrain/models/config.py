@@ -38,6 +38,21 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (`model.rope_scaling.*`). `none`: inv_freq_i = θ^(−2i/H).
+    `llama3` (Llama 3.1+): with wavelength λ_i = 2π / inv_freq_i and the pre-training context
+    C = `original_max_seq_len`, frequencies with λ_i > C / `low_freq_factor` are divided by
+    `factor`, those with λ_i < C / `high_freq_factor` are kept, and those between are blended:
+    s = (C/λ_i − low) / (high − low), inv_freq_i ← (1 − s)·inv_freq_i/factor + s·inv_freq_i."""
+
+    type: Literal["none", "llama3"] = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention."""
 
@@ -54,6 +69,10 @@ class ModelConfig:
     tied_embeddings: bool = False
     attention: str = "sdpa"  # a name of the ops.attention registry (validate_keys.REGISTRY_CHOICES)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # A local Hugging Face model directory: its config.json gives the shape (other model.*
+    # keys may only agree with it) and its safetensors the initial weights (models.hf_config).
+    init_from: str | None = None
 
     @property
     def head_dim(self) -> int:

@@ -105,7 +105,7 @@ class Transformer(nn.Module):
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._rope:
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
-                                   theta=self.cfg.rope_theta)
+                                   theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
             self._rope[device] = (cos.to(device), sin.to(device))
         return self._rope[device]
 

@@ -37,6 +37,7 @@ from hpctrain.train import continuation, nonfinite
 from hpctrain.train.checkpointer import Checkpointer
 from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.eval_set import eval_indices
+from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
 from hpctrain.train.phases import build_note, first_step_note
@@ -82,6 +83,7 @@ class Trainer:
         # grows for the whole run; `steps_run` counts them all.
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
         self.steps_run = 0
+        self.init_bytes_read = 0  # read from model.init_from's safetensors (this rank's share)
         self.step = 0
         self.data_offset = 0  # data step = step + data_offset: rollbacks skip bad batches
         self.guard = nonfinite.NonFiniteGuard(t.on_nonfinite)
@@ -108,20 +110,27 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
+        """Continue from a checkpoint (train.resume) when there is one; else start from
+        model.init_from's weights when set (hpctrain.train.hf_import), else from the init."""
         mode = self.cfg.train.resume
-        if mode == "never":
-            return
         # Chosen and verified on rank 0 for every rank; unverified or refused ones are skipped
-        # (auto) or stop the run (an explicit directory); another model shape stops it.
+        # (auto) or stop the run (an explicit directory); another model shape stops it. With
+        # none, the run starts from model.init_from's weights when set (a checkpoint wins).
         kw = dict(parallel=self.parallel, model_config=self.cfg.model)
+        loaded = None
         if mode == "auto":
             loaded = ckpt.load_latest(self.run_dir, **kw)
-            if loaded is None:
-                return
-            found, train_state, rank_state = loaded
-        else:
+        elif mode != "never":
             found = ckpt.agreed_verified(Path(mode))
-            train_state, rank_state = ckpt.load(found, **kw)
+            loaded = (found, *ckpt.load(found, **kw))
+        if loaded is None:
+            if self.cfg.model.init_from:
+                self.init_bytes_read = load_hf_weights(self.cfg.model.init_from,
+                                                       parallel=self.parallel)
+                log.info("initial weights from %s (%d bytes read on this rank)",
+                         self.cfg.model.init_from, self.init_bytes_read)
+            return
+        found, train_state, rank_state = loaded
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
         self.data_offset = train_state.get("data_offset", 0)

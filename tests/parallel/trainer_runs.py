@@ -19,17 +19,20 @@ BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=2
         "train.eval_every=0", "train.global_batch_size=8", "optim.warmup_steps=1"]
 
 
-def run_trainer(overrides: list[str], run_dir: str, *, steps: int) -> Trainer:
-    """The real Trainer on this rank of the world (cluster = the world), after `run()`."""
+def run_trainer(overrides: list[str], run_dir: str, *, steps: int,
+                base: tuple[str, ...] = tuple(BASE), run: bool = True) -> Trainer:
+    """The real Trainer on this rank of the world (cluster = the world), after `run()`
+    (`run=False`: as built); `base`: the overrides before `overrides` (BASE: model=debug)."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cfg = make_config([*BASE, f"train.steps={steps}",
+    cfg = make_config([*base, f"train.steps={steps}",
                        f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
                       run_dir=run_dir)
     dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                         cp=cfg.parallel.cp, ep=cfg.parallel.ep)
     mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     trainer = Trainer(cfg, mesh)
-    trainer.run()
+    if run:
+        trainer.run()
     return trainer
 
 

@@ -11,11 +11,24 @@ from tests.conftest import CONF, ROOT, compose, make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir
 
 
+def hf_config_dir(directory):
+    """A directory holding only a Llama config.json (the shape; parsing reads nothing else)."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "max_position_embeddings": 256}))
+    return directory
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"]}  # options with a required key
+NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"],  # options with a required key
+         ("task", "export"): ["export.from=outputs/run1", "export.out=hf/run1"]}
 
 
 @pytest.mark.parametrize("group", ["cluster", "model", "parallel", "train", "optim", "data",
@@ -33,6 +46,8 @@ def test_every_option_composes(group, tmp_path):
             (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n')
             tok = hf_tokenizer_dir(tmp_path / "tok")
             overrides += [f"data.paths=[{tmp_path / 'c.jsonl'}]", f"data.tokenizer_path={tok}"]
+        if (group, option) == ("model", "hf"):  # its shape comes from a directory's config.json
+            overrides.append(f"model.init_from={hf_config_dir(tmp_path / 'hf')}")
         if group == "parallel":
             world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
             overrides.append(f"cluster.procs_per_node={world}")

@@ -79,7 +79,7 @@ class PipelineStage(nn.Module):
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
-                                   theta=self.cfg.rope_theta)
+                                   theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
             self._rope = (cos.to(device), sin.to(device))
         return self._rope
 

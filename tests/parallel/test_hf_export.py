@@ -1,0 +1,56 @@
+"""task=export round trip: import a tiny Llama, train 2 steps at tp=2, export; transformers
+loads the directory and its logits equal hpctrain's from the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpctrain.tasks import launch
+from tests.conftest import get_world, make_config
+from tests.hf_models import save_tiny_llama
+from tests.parallel.test_hf_import import _first_step
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+TOKENS = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(2))
+
+
+def _logits_from(checkpoint: str, directory: str, run_dir: str) -> torch.Tensor:
+    """Rank side (one process): hpctrain's logits after resuming `checkpoint` (which takes
+    precedence over model.init_from), before any step."""
+    from tests.parallel.trainer_runs import BASE, run_trainer
+
+    base = tuple(o for o in BASE if not o.startswith("model="))
+    trainer = run_trainer(["model=hf", f"model.init_from={directory}", "data.packing=none",
+                           f"train.resume={checkpoint}"], run_dir, steps=3, base=base,
+                          run=False)
+    trainer.resume()
+    with torch.no_grad():
+        return trainer.model(TOKENS)
+
+
+def test_export_round_trip_after_tp2_training(world2, tmp_path):
+    save_tiny_llama(tmp_path / "hf", tied=True)
+    world2.run(_first_step, [f"model.init_from={tmp_path / 'hf'}", "parallel.tp=2"],
+               str(tmp_path / "run"), 2)
+    out = tmp_path / "export"
+    cfg = make_config(["task=export", f"export.from={tmp_path / 'run'}", f"export.out={out}",
+                       "export.dtype=fp32", "export.max_shard_mb=0.2"], run_dir=tmp_path)
+    summary = launch(cfg)
+    assert len(summary["files"]) > 1  # sharded, with an index
+    ckpt = summary["checkpoint"]
+    assert ckpt.endswith("step_00000002")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(TOKENS).logits
+    ours = get_world(1).run(_logits_from, ckpt, str(tmp_path / "hf"), str(tmp_path / "r1"))[0]
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    imported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    skip = {"dtype", "torch_dtype", "transformers_version"}
+    assert {k: v for k, v in exported.items() if k in imported and k not in skip} == {
+        k: imported[k] for k in exported if k in imported and k not in skip}

@@ -1,0 +1,134 @@
+"""model.init_from: a Hugging Face Llama directory becomes the run's shape and weights; hpctrain's
+logits equal transformers' (fp64), and what hpctrain cannot do is refused before launch."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from hpctrain.models import build_model
+from hpctrain.models.hf_config import hf_weight_name
+from hpctrain.ops.rope import inv_frequencies
+from tests.conftest import make_config
+from tests.hf_models import save_tiny_llama, tiny_mistral
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _renamed(directory, model) -> dict[str, torch.Tensor]:
+    """hpctrain's state dict read from `directory` by the renaming (tied head: embedding)."""
+    files = safetensors_torch.load_file(directory / "model.safetensors")
+    out = {}
+    for name in model.state_dict():
+        hf = hf_weight_name(name)
+        out[name] = files[hf if hf in files else "model.embed_tokens.weight"]
+    return out
+
+
+def _hf_in_fp64(hf, inv_freq_H2: torch.Tensor) -> None:
+    """transformers computes RoPE and RMSNorm in fp32 whatever the model's dtype; for an fp64
+    comparison of everything else its rotary module computes in fp64 from `inv_freq_H2`, and
+    its norms run their own formula without the fp32 cast."""
+    def rope(x, position_ids):
+        freqs = position_ids[..., None].double() * inv_freq_H2
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def norm_of(m):
+        return lambda h: m.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)
+                                                    + m.variance_epsilon)
+
+    hf.model.rotary_emb.forward = rope
+    for m in hf.modules():
+        if type(m).__name__ == "LlamaRMSNorm":
+            m.forward = norm_of(m)
+
+
+def _imported(tmp_path, *, tied: bool, dtype, hf=None):
+    if hf is None:
+        hf = save_tiny_llama(tmp_path, tied=tied, dtype=dtype)
+    else:
+        hf.save_pretrained(tmp_path)
+    cfg = make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
+    assert (cfg.model.dim, cfg.model.tied_embeddings) == (64, tied)
+    model = build_model(cfg.model, seed=0).to(dtype)
+    model.load_state_dict(_renamed(tmp_path, model))
+    return hf, model, cfg
+
+
+TOKENS = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_equal_transformers_fp64(tmp_path, tied):
+    hf, model, cfg = _imported(tmp_path, tied=tied, dtype=torch.float64)
+    m = cfg.model
+    assert cfg.model.rope_scaling.type == "llama3"
+    ours_H2 = inv_frequencies(m.head_dim, theta=m.rope_theta, scaling=m.rope_scaling)
+    # Llama 3.1 scaling: the same frequencies as transformers' (computed there in fp32)
+    theirs_H2 = hf.model.rotary_emb.inv_freq.double()
+    torch.testing.assert_close(ours_H2, theirs_H2, rtol=1e-6, atol=0)
+    assert not torch.allclose(ours_H2, inv_frequencies(m.head_dim, theta=m.rope_theta))
+    _hf_in_fp64(hf, ours_H2)
+    with torch.no_grad():
+        want, got = hf(TOKENS).logits, model(TOKENS)
+    assert (got - want).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_logits_equal_transformers_fp32(tmp_path, family):
+    mistral = tiny_mistral() if family == "mistral" else None
+    hf, model, _ = _imported(tmp_path, tied=mistral is None, dtype=torch.float32, hf=mistral)
+    with torch.no_grad():
+        want, got = hf(TOKENS).logits, model(TOKENS)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_a_contradicting_model_key_is_refused(tmp_path):
+    save_tiny_llama(tmp_path, tied=True)
+    with pytest.raises(ValueError) as err:  # model=tiny (the default) sets dim=128
+        make_config([f"model.init_from={tmp_path}"], run_dir=tmp_path)
+    assert "model.dim=128 contradicts model.init_from" in str(err.value)
+    assert "use model=hf" in str(err.value)
+    with pytest.raises(ValueError, match="model.n_heads=8 contradicts"):
+        make_config(["model=hf", f"model.init_from={tmp_path}", "model.n_heads=8"],
+                    run_dir=tmp_path)
+    with pytest.raises(ValueError, match="model.moe.* is set, but model.init_from="):
+        make_config(["model=hf", f"model.init_from={tmp_path}", "model.moe.num_experts=4"],
+                    run_dir=tmp_path)
+    # a shorter context is allowed: a shorter RoPE table, the same weights
+    cfg = make_config(["model=hf", f"model.init_from={tmp_path}", "model.max_seq_len=64",
+                       "train.seq_len=64"],
+                      run_dir=tmp_path)
+    assert cfg.model.max_seq_len == 64
+
+
+def test_unsupported_fields_are_refused_with_their_values(tmp_path):
+    save_tiny_llama(tmp_path, tied=False)
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    hf.update(attention_bias=True, head_dim=32, sliding_window=4096)
+    hf["rope_parameters"]["rope_type"] = "yarn"
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError) as err:
+        make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
+    for text in ("attention_bias=True", "sliding_window=4096", "head_dim=32",
+                 "rope_type='yarn'"):
+        assert text in str(err.value)
+
+
+def test_model_hf_without_a_directory_says_so(tmp_path):
+    with pytest.raises(ValueError, match="model=hf needs the directory"):
+        make_config(["model=hf"], run_dir=tmp_path)
+
+
+def test_missing_safetensors_names_the_extra(monkeypatch, tmp_path):
+    from hpctrain.train.hf_import import safe_open_or_explain
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ValueError, match=r"pip install 'hpctrain\[hf\]'"):
+        safe_open_or_explain()
