@@ -125,6 +125,22 @@ class Checkpointer:
         done, self._reported = self.records[self._reported:end], max(self._reported, end)
         return done
 
+    def started_at(self, step: int) -> dict[str, float]:
+        """{"ckpt_block_s"} of a save started at `step` ({} when none was)."""
+        last = self.records[-1] if self.records else None
+        return {"ckpt_block_s": last["ckpt_block_s"]} if last and last["step"] == step else {}
+
+    def summary(self) -> dict[str, float]:
+        """summary.json's view of the run's saves: how many, the training time they blocked
+        and the background time in all, the last save's bytes (this rank's), the median MB/s."""
+        done = [r for r in self.records if "ckpt_background_s" in r]
+        if not done:
+            return {"ckpt_saves": 0}
+        rates = sorted(r["ckpt_mb_per_s"] for r in done)
+        return {"ckpt_saves": len(done), "ckpt_block_s": sum(r["ckpt_block_s"] for r in done),
+                "ckpt_background_s": sum(r["ckpt_background_s"] for r in done),
+                "ckpt_bytes": done[-1]["ckpt_bytes"], "ckpt_mb_per_s": rates[len(rates) // 2]}
+
     def close(self) -> None:
         """Wait for the save in flight (collective), then stop the writing thread."""
         try:
@@ -132,6 +148,16 @@ class Checkpointer:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+
+
+def save_metrics(saves: list[dict[str, float]]) -> dict[str, float]:
+    """metrics.jsonl's keys for the newest of `saves` (records `finished` handed out): its
+    background half, when it started and was sealed, and its step."""
+    if not saves:
+        return {}
+    keys = ("ckpt_background_s", "ckpt_bytes", "ckpt_mb_per_s", "ckpt_started_at",
+            "ckpt_sealed_at")
+    return {**{k: saves[-1][k] for k in keys}, "ckpt_saved_step": saves[-1]["step"]}
 
 
 def _rng_state() -> dict[str, Any]:

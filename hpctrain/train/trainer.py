@@ -34,7 +34,7 @@ from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import continuation, nonfinite
-from hpctrain.train.checkpointer import Checkpointer
+from hpctrain.train.checkpointer import Checkpointer, save_metrics
 from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.hf_import import load_hf_weights
@@ -255,7 +255,7 @@ class Trainer:
             self.checkpointer.wait()  # sealed before the run reports it
         finally:
             self.checkpointer.close()
-        extra.update(_save_summary(self.checkpointer.records))
+        extra.update(self.checkpointer.summary())
         return self._finish(loggers, extra) if logging_rank else {}
 
     def _already_complete(self) -> dict[str, Any]:
@@ -353,10 +353,10 @@ class Trainer:
             return
         progress.advance(step - 1)
         saves = self.checkpointer.finished()
-        metrics.update(_started_save(self.checkpointer, step))
+        metrics.update(self.checkpointer.started_at(step))
         if (step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics
                 or metrics["nonfinite"] or saves or "ckpt_block_s" in metrics):
-            loggers.log(step, {**metrics, **_save_metrics(saves), **self.memory_metrics(),
+            loggers.log(step, {**metrics, **save_metrics(saves), **self.memory_metrics(),
                                **self.prediction.once()})
 
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
@@ -389,29 +389,3 @@ class Trainer:
                      on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
             yield prof
 
-
-def _started_save(checkpointer: Checkpointer, step: int) -> dict[str, float]:
-    """`ckpt_block_s` of a save started at `step` (none: {})."""
-    last = checkpointer.records[-1] if checkpointer.records else None
-    return {"ckpt_block_s": last["ckpt_block_s"]} if last and last["step"] == step else {}
-
-
-def _save_metrics(saves: list[dict[str, float]]) -> dict[str, float]:
-    """The background half of the newest save that finished (metrics.jsonl keys)."""
-    if not saves:
-        return {}
-    keys = ("ckpt_background_s", "ckpt_bytes", "ckpt_mb_per_s", "ckpt_started_at",
-            "ckpt_sealed_at")
-    return {**{k: saves[-1][k] for k in keys}, "ckpt_saved_step": saves[-1]["step"]}
-
-
-def _save_summary(records: list[dict[str, float]]) -> dict[str, float]:
-    """summary.json's view of the run's saves: how many, the training time they blocked and
-    the background time in all, the last save's bytes (this rank's) and the median MB/s."""
-    done = [r for r in records if "ckpt_background_s" in r]
-    if not done:
-        return {"ckpt_saves": 0}
-    rates = sorted(r["ckpt_mb_per_s"] for r in done)
-    return {"ckpt_saves": len(done), "ckpt_block_s": sum(r["ckpt_block_s"] for r in done),
-            "ckpt_background_s": sum(r["ckpt_background_s"] for r in done),
-            "ckpt_bytes": done[-1]["ckpt_bytes"], "ckpt_mb_per_s": rates[len(rates) // 2]}
