@@ -14,7 +14,7 @@ from tests.conftest import compose, make_config
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "train.sbatch"
 OVERRIDES = ["cluster=example_site", "model=debug", "parallel.dp=16",
-             "train.global_batch_size=128", "optim.lr=3e-4"]
+             "train.global_batch_size=128", "train.eval_samples=128", "optim.lr=3e-4"]
 
 
 def test_render_matches_golden():
