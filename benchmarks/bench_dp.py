@@ -5,6 +5,8 @@ Pairs (same model, same batches, same AdamW hyper-parameters, same bucket size):
   dp     hpctrain DataParallel(zero=0)  vs  DistributedDataParallel(gradient_as_bucket_view)
   zero1  hpctrain DataParallel(zero=1)  vs  DDP + ZeroRedundancyOptimizer(AdamW)
   zero3  hpctrain DataParallel(zero=3)  vs  FSDP2 fully_shard (every block, then the root)
+  hsdp   hpctrain zero=3, dp_replicate=2  vs  FSDP2 fully_shard on a 2-D (replicate, shard) mesh
+         (4 ranks: 2 replicas × 2 shards; run it alone, `--pairs hsdp`)
 
 Each rank builds both engines of a pair and alternates their steps (A B A B …), so load from
 other processes on a shared machine hits both alike. A step is fwd + bwd + optimizer with one
@@ -14,6 +16,7 @@ per-rank bytes held after the optimizer step (storage de-duplicated by pointer; 
 counted for each engine is listed in `benchmarks/results/dp_zero.md`).
 
     python benchmarks/bench_dp.py --steps 8
+    python benchmarks/bench_dp.py --steps 8 --pairs hsdp
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.distributed.dims import ParallelDims  # noqa: E402
+from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.distributed.teardown import close_process_groups  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
@@ -44,7 +49,10 @@ from hpctrain.parallel.scaler import LossScaler  # noqa: E402
 from hpctrain.parallel.step import lm_loss  # noqa: E402
 from hpctrain.train.optim import param_groups  # noqa: E402
 
-PAIRS = {"dp": (0, "ddp"), "zero1": (1, "zero_redundancy"), "zero3": (3, "fsdp2")}
+PAIRS = {"dp": (0, "ddp"), "zero1": (1, "zero_redundancy"), "zero3": (3, "fsdp2"),
+         "hsdp": (3, "hsdp")}
+WORLD = {"hsdp": 4}  # ranks a pair needs (2 otherwise)
+REPLICAS = 2  # the hsdp pair's dp_replicate
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 MEM_KEYS = ("params", "grads", "optim", "comm")
 
@@ -75,12 +83,18 @@ class Engine:
     notes: dict[str, object] = field(default_factory=dict)
 
 
-def hpctrain_engine(zero: int, args) -> Engine:
+def hpctrain_engine(zero: int, args, *, replicas: int = 1) -> Engine:
     model = build_model(model_config(args), seed=0)
-    engine = DataParallel(model, group=dist.group.WORLD, zero=zero, precision="fp32",
-                          optim=OPTIM, bucket_mb=args.bucket_mb)
+    groups = {"group": dist.group.WORLD}
+    if replicas > 1:  # HSDP through the run's own mesh (hpctrain.distributed.mesh)
+        dims = ParallelDims(dp=dist.get_world_size(), dp_replicate=replicas)
+        mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+        groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}
+    engine = DataParallel(model, zero=zero, precision="fp32", optim=OPTIM,
+                          bucket_mb=args.bucket_mb, **groups)
     scaler = LossScaler(enabled=False)
-    out = Engine(f"hpctrain zero={zero}", None)
+    out = Engine(f"hpctrain zero={zero}" + (f" dp_replicate={replicas}" if replicas > 1 else ""),
+                 None)
 
     def step(x_BL, y_BL, measure: bool):
         res = engine.train_step([(x_BL, y_BL)], n_micro=1, precision="fp32", scaler=scaler,
@@ -148,19 +162,25 @@ def ddp_engine(args, *, zero_redundancy: bool) -> Engine:
     return out
 
 
-def fsdp2_engine(args) -> Engine:
+def fsdp2_engine(args, *, replicas: int = 1) -> Engine:
+    """FSDP2; replicas > 1: HSDP on a 2-D (replicate, shard) mesh, shard fastest (hpctrain's
+    rank order too)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     model = build_model(model_config(args), seed=0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = (init_device_mesh("cpu", (world,)) if replicas == 1 else
+            init_device_mesh("cpu", (replicas, world // replicas),
+                             mesh_dim_names=("replicate", "shard")))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())
     opt = adamw(named)
-    out = Engine("torch FSDP2", None)
+    out = Engine("torch FSDP2" + (f" HSDP {replicas}×{world // replicas}" if replicas > 1
+                                  else ""), None)
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -184,6 +204,9 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def build_pair(pair: str, args) -> tuple[Engine, Engine]:
     zero, peer = PAIRS[pair]
+    if peer == "hsdp":
+        return (hpctrain_engine(zero, args, replicas=REPLICAS),
+                fsdp2_engine(args, replicas=REPLICAS))
     ours = hpctrain_engine(zero, args)
     if peer == "fsdp2":
         return ours, fsdp2_engine(args)
@@ -325,6 +348,9 @@ def parse_args(argv=None):
     unknown = set(args.pairs) - set(PAIRS)
     if unknown:
         p.error(f"--pairs {sorted(unknown)} unknown: choose from {list(PAIRS)}")
+    if len({WORLD.get(pair, 2) for pair in args.pairs}) > 1:
+        p.error(f"--pairs {args.pairs}: hsdp needs {WORLD['hsdp']} ranks, the others 2: run "
+                "it on its own")
     if args.warmup < 1:
         p.error("--warmup must be >= 1 (memory is measured on the last warm-up step)")
     return args
@@ -333,7 +359,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    world = 2
+    world = WORLD.get(args.pairs[0], 2)
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(rank_main, args=(world, str(Path(tmp) / "store"), args, results),
@@ -346,8 +372,9 @@ def main(argv=None) -> None:
         return
     n = model_config(args).num_params()
     print(f"model: {n / 1e6:.1f}M params, dim {args.dim}, {args.layers} layers, vocab "
-          f"{args.vocab}; batch {args.batch}×{args.seq} tokens per rank; 2 ranks gloo, 1 thread "
-          f"each; fp32; bucket {args.bucket_mb} MB; warm-up {args.warmup}, timed {args.steps}")
+          f"{args.vocab}; batch {args.batch}×{args.seq} tokens per rank; {world} ranks gloo, "
+          f"1 thread each; fp32; bucket {args.bucket_mb} MB; warm-up {args.warmup}, "
+          f"timed {args.steps}")
     print(report(out, args))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

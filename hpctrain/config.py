@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from hpctrain.distributed.dims import ParallelDims
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.hf_config import resolve_init_from
 
@@ -67,6 +68,10 @@ class ParallelConfig:
     cp: int = 1  # context parallelism: each sequence split over cp ranks (zigzag, ring attention)
     cp_comm: Literal["ring", "allgather"] = "ring"  # how key/value shards travel under cp > 1
     ep: int = 1  # expert parallelism: routed experts sharded over ep ranks inside the dp group
+    # HSDP: dp = dp_replicate × dp_shard; ZeRO shards inside dp_shard (one node), the replicas
+    # all-reduce (hpctrain.distributed.dims). dp_shard None: dp / dp_replicate.
+    dp_replicate: int = 1
+    dp_shard: int | None = None
     zero: int = 0  # 0 (plain data parallel) | 1 | 2 | 3
     sp: bool = False  # sequence parallelism (with tp > 1)
     offload: Literal["none", "cpu"] = "none"
@@ -83,6 +88,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout (degrees and rank order) every consumer derives from; raises ValueError
+        for degrees that do not compose."""
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                            dp_replicate=self.dp_replicate)
 
 
 @dataclass(frozen=True)

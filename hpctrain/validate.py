@@ -40,6 +40,7 @@ from hpctrain.validate_keys import (
     config_range_problems,
     range_problems,
 )
+from hpctrain.validate_layout import check_hsdp, check_world
 from hpctrain.validate_moe import check_moe
 from hpctrain.validate_pipeline import (
     ONE_F_ONE_B_FAMILY,
@@ -52,25 +53,6 @@ from hpctrain.validate_pipeline import (
 log = logging.getLogger(__name__)
 
 Check = Callable[[Config], list[str]]
-
-
-def check_world(c: Config) -> list[str]:
-    p, cl = c.parallel, c.cluster
-    world, per_replica = cl.world_size, p.tp * p.pp * p.cp
-    if p.world_size == world:
-        return []
-    fixes = []
-    if world >= per_replica and world % per_replica == 0:
-        fixes.append(f"set parallel.dp={world // per_replica}")
-    if p.world_size % cl.nodes == 0:
-        fixes.append(f"set cluster.procs_per_node={p.world_size // cl.nodes}")
-    fix = ", or ".join(fixes) or "make dp × cp × tp × pp equal cluster.nodes × procs_per_node"
-    return [
-        f"parallel.pp={p.pp} × parallel.tp={p.tp} × parallel.cp={p.cp} × parallel.dp={p.dp} = "
-        f"{p.world_size} ranks, "
-        f"but cluster.nodes={cl.nodes} × cluster.procs_per_node={cl.procs_per_node} = {world}:"
-        f" {fix}"
-    ]
 
 
 def check_local_nodes(c: Config) -> list[str]:
@@ -324,6 +306,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_cp: ("parallel.cp", "parallel.cp_comm", "train.seq_len", "parallel.", "model."),
     check_world: ("parallel.dp", "parallel.cp", "parallel.tp", "parallel.pp", "cluster.nodes",
                   "cluster.procs_per_node"),
+    check_hsdp: ("parallel.dp_replicate", "parallel.dp", "parallel.dp_shard", "parallel.ep",
+                 "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
     check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
     check_lr_schedule: ("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction",
@@ -351,9 +335,9 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
                check_vocab, check_data_size)
-CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_signal_delay, check_optim,
-                             check_lr_schedule, check_head_dim, check_model_shape, check_batch,
-                             check_eval, check_packing,
+CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_hsdp, check_signal_delay,
+                             check_optim, check_lr_schedule, check_head_dim, check_model_shape,
+                             check_batch, check_eval, check_packing,
                              check_vocab, check_data_size, check_device, check_attention,
                              check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
                              check_cluster_spec, check_bench)

@@ -133,6 +133,8 @@ RANGES: dict[str, Range] = {
     "parallel.pp": positive(),
     "parallel.cp": positive(),
     "parallel.ep": positive(),
+    "parallel.dp_replicate": positive("1: no hybrid sharding; e.g. the number of nodes"),
+    "parallel.dp_shard": positive("or leave it unset (null): dp / dp_replicate"),
     "parallel.zero": Range(lo=0, hi=3, fix="ZeRO stages are 0 (plain data parallel), 1, 2, 3"),
     "parallel.microbatches": positive("or leave it unset (null) to derive it from the batch"),
     "parallel.virtual_stages": positive(),

@@ -9,11 +9,11 @@ busbw = algbw × factor(n), the rate each link must sustain, comparable across c
     broadcast                               1
 
 Each (collective, size) is first run once on rank-dependent values and checked against the
-closed form, then timed on a separate buffer. Groups: the world, then every parallel axis of
-the layout with degree > 1 (an axis spanning the whole world is the world group, not repeated),
-and with parallel.ep > 1 the expert-parallel groups: ep consecutive dp coordinates at fixed
-(pp, cp, tp), the ranks a mixture-of-experts layer exchanges tokens with by all-to-all
-(`ep_group_ranks`; `hpctrain.plan.experts` times the same groups).
+closed form, then timed on a separate buffer. Groups: the mesh's named groups that `bench.groups`
+asks for (hpctrain.distributed.dims.GROUP_NAMES: the world, every axis, HSDP's shard and
+replicate groups, the expert-parallel groups where MoE runs its all-to-all), each of more than
+one rank and less than the world (that is the world group), and each set of ranks once: a
+group equal to an earlier one (dp_cp at cp = 1, shard without HSDP) is not timed twice.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.timing import TORCH_DTYPES, node_name, slow_factor_for, stem, timed
-from hpctrain.distributed.dims import ParallelDims
+from hpctrain.distributed.dims import GROUP_NAMES
 from hpctrain.distributed.mesh import Mesh
 
 log = logging.getLogger(__name__)
@@ -50,32 +50,17 @@ def bus_bandwidth(collective: str, algbw: float, n: int) -> float:
     return algbw * BUSBW_FACTORS[collective](n)
 
 
-def bench_groups(mesh: Mesh, wanted: tuple[str, ...], *, ep: int = 1
-                 ) -> list[tuple[str, Any, list[int]]]:
-    """(label, process group, global ranks) for the world and each wanted axis of degree > 1,
-    including the ep groups when 1 < ep < world (created here, every rank in the same order)."""
-    world = dist.get_world_size()
-    out = [("world", dist.group.WORLD, list(range(world)))] if "world" in wanted else []
-    for axis in ("tp", "dp", "pp"):
-        group = mesh.group(axis)
-        if axis in wanted and 1 < mesh.dims.degree(axis) < world:
-            out.append((axis, group, mesh.dims.group_ranks(axis, mesh.rank)))
-    if "ep" in wanted and 1 < ep < world:
-        for ranks in ep_group_ranks(mesh.dims, ep=ep):
-            group = dist.new_group(ranks, timeout=mesh.timeout, group_desc="ep")
-            if mesh.rank in ranks:
-                out.append(("ep", group, ranks))
+def bench_groups(mesh: Mesh, wanted: tuple[str, ...]) -> list[tuple[str, Any, list[int]]]:
+    """(name, process group, global ranks) of each wanted group of the mesh, in GROUP_NAMES
+    order (module docstring says which are left out)."""
+    world, seen, out = mesh.dims.world_size, set(), []
+    for name in (n for n in GROUP_NAMES if n in wanted):
+        ranks = mesh.ranks(name)
+        if tuple(ranks) in seen or (name != "world" and not 1 < len(ranks) < world):
+            continue
+        seen.add(tuple(ranks))
+        out.append((name, mesh.group(name), ranks))
     return out
-
-
-def ep_group_ranks(dims: ParallelDims, *, ep: int) -> list[list[int]]:
-    """Every expert-parallel group: ep consecutive dp coordinates (ep divides dp) at fixed
-    (pp, cp, tp), so its members are cp·tp ranks apart; in a fixed order (for new_group)."""
-    if ep < 1 or dims.dp % ep:
-        raise ValueError(f"parallel.ep={ep} must be >= 1 and divide parallel.dp={dims.dp}")
-    return [[dims.rank_of(pp=p, dp=block * ep + j, cp=c, tp=t) for j in range(ep)]
-            for p in range(dims.pp) for block in range(dims.dp // ep)
-            for c in range(dims.cp) for t in range(dims.tp)]
 
 
 def _buffers(collective: str, numel: int, n: int, dtype, device):
@@ -156,13 +141,12 @@ def _unsupported(err: Exception) -> bool:
     return isinstance(err, NotImplementedError) or "support" in text or "implement" in text
 
 
-def run_comm(b: BenchConfig, mesh: Mesh, *, ep: int = 1) -> list[dict[str, Any]]:
-    """Every collective × group × size on this rank; one record per measurement. `ep`:
-    parallel.ep, whose groups are measured too when it is > 1."""
+def run_comm(b: BenchConfig, mesh: Mesh) -> list[dict[str, Any]]:
+    """Every collective × group × size on this rank; one record per measurement."""
     node = node_name()
     slow = slow_factor_for(b, rank=mesh.rank, node=node)
     records = []
-    for label, group, ranks in bench_groups(mesh, b.groups, ep=ep):
+    for label, group, ranks in bench_groups(mesh, b.groups):
         for collective in b.collectives:
             base = stem("comm", rank=mesh.rank, node=node, collective=collective, group=label,
                         group_ranks=ranks, n=len(ranks), dtype=b.dtype)

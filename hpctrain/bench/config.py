@@ -20,7 +20,8 @@ from hpctrain.distributed.device import resolve_device_type
 
 Bench = Literal["comm", "p2p", "gemm", "train"]
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
-AxisGroup = Literal["world", "tp", "dp", "pp", "ep"]
+# the mesh's named groups (hpctrain.distributed.dims.GROUP_NAMES) a comm benchmark can time
+AxisGroup = Literal["world", "tp", "cp", "dp", "pp", "shard", "replicate", "ep"]
 GemmPrecision = Literal["fp32", "tf32", "bf16", "fp16"]
 BENCHES = typing.get_args(Bench)
 COLLECTIVES = typing.get_args(Collective)
@@ -35,8 +36,8 @@ class BenchConfig:
 
     name: Bench = "comm"
     collectives: tuple[Collective, ...] = COLLECTIVES
-    groups: tuple[AxisGroup, ...] = GROUPS  # comm: axis groups of parallel.*, degree > 1 only
-    # (ep: the expert-parallel groups of parallel.ep, where MoE runs its all-to-all)
+    groups: tuple[AxisGroup, ...] = GROUPS  # comm: groups of the layout, 1 < size < world only
+    # (shard/replicate: HSDP's; ep: the expert-parallel groups, where MoE runs its all-to-all)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # comm/p2p buffers (fp16: not on CPU)
     min_bytes: int = 1024  # sweep: powers of two from min_bytes (p2p: the latency message)...
     max_bytes: int = 16 * 2**20  # ... up to this cap (16 MiB; 1-8 GiB on GPU clusters)

@@ -22,7 +22,7 @@ from hpctrain.distributed.mesh import Mesh
 
 
 def _runners():
-    return {"comm": lambda b, mesh, cfg: run_comm(b, mesh, ep=cfg.parallel.ep),
+    return {"comm": lambda b, mesh, cfg: run_comm(b, mesh),
             "p2p": lambda b, mesh, cfg: run_p2p(b, mesh),
             "gemm": run_gemm, "train": run_train}
 

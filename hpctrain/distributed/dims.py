@@ -13,6 +13,14 @@ Expert parallelism is not a fifth factor of the world: ep divides dp, and the ep
 rank is ep consecutive dp coordinates (dp_i // ep the same: the nearest data-parallel peers,
 cp·tp ranks apart), holding disjoint experts. The expert-data group (`edp_ranks`) is the dp
 ranks with the same dp_i % ep: they hold the same experts and reduce their gradients.
+
+Hybrid sharding (HSDP) factors dp, not the world: dp = dp_replicate × dp_shard with the shard
+index fastest, dp_i = replica_i · dp_shard + shard_i. ZeRO shards over the dp_shard × cp ranks
+of one replica (`shard_ranks`: consecutive dp coordinates, one node when dp_shard·cp·tp fills
+it) and the replicas all-reduce what those shards hold (`replicate_ranks`: dp_shard·cp·tp ranks
+apart, across nodes). An ep group must lie inside one replica (ep divides dp_shard), so the
+expert shards (`edp_ranks`) stay inside it too. At dp_replicate = 1 every shard group is the
+whole dp×cp group and the replicate group is the rank itself.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from typing import Literal
 
 Axis = Literal["pp", "dp", "cp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")  # slowest to fastest
+# Every process group a rank belongs to, by name (`ParallelDims.ranks_in`): the four axes, the
+# gradient/ZeRO groups (dp_cp; shard and replicate under HSDP), the expert groups, the world.
+GroupName = Literal["world", "pp", "dp", "cp", "tp", "dp_cp", "shard", "replicate", "ep", "edp"]
+GROUP_NAMES: tuple[GroupName, ...] = ("world", *AXES, "dp_cp", "shard", "replicate", "ep", "edp")
 
 
 @dataclass(frozen=True)
@@ -31,14 +43,34 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallelism, inside dp (module docstring)
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate × dp_shard (module docstring)
 
     def __post_init__(self) -> None:
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp="
-                             f"{self.dp}: choose ep among the divisors of dp")
+        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} must be >= 1 and divide "
+                             f"parallel.dp={self.dp}: choose it among {_divisors(self.dp)}")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            where = "parallel.dp" if self.dp_replicate == 1 else "parallel.dp_shard"
+            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide {where}="
+                             f"{self.dp_shard} (an expert group lives inside one replica): "
+                             f"choose ep among {_divisors(self.dp_shard)}")
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of a ZeRO group (`shard_ranks`): dp_shard × cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks of an experts' ZeRO group (`edp_ranks`): dp_shard / ep (cp = 1 with experts)."""
+        return self.dp_shard // self.ep * self.cp
 
     @property
     def world_size(self) -> int:
@@ -78,12 +110,21 @@ class ParallelDims:
         return [self.rank_of(pp=c["pp"], dp=d, cp=k, tp=c["tp"])
                 for d in range(self.dp) for k in range(self.cp)]
 
-    def all_dp_cp_groups(self) -> list[list[int]]:
-        """Every dp×cp group once, in a fixed order (for new_group)."""
-        seen: dict[tuple[int, ...], None] = {}
-        for r in range(self.world_size):
-            seen.setdefault(tuple(self.dp_cp_ranks(r)), None)
-        return [list(g) for g in seen]
+    def shard_ranks(self, rank: int) -> list[int]:
+        """The ZeRO group of `rank`: the dp×cp ranks of its replica (dp coordinates
+        replica_i·dp_shard … +dp_shard-1), in rank order. Equal to `dp_cp_ranks` at
+        dp_replicate = 1."""
+        first = self.coords(rank)["dp"] // self.dp_shard * self.dp_shard
+        return [r for r in self.dp_cp_ranks(rank)
+                if first <= self.coords(r)["dp"] < first + self.dp_shard]
+
+    def replicate_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same shards as `rank` in the other replicas (same pp, cp, tp
+        and shard index), in replica order; [rank] at dp_replicate = 1."""
+        c = self.coords(rank)
+        shard_i = c["dp"] % self.dp_shard
+        return [self.rank_of(pp=c["pp"], dp=r * self.dp_shard + shard_i, cp=c["cp"], tp=c["tp"])
+                for r in range(self.dp_replicate)]
 
     def ep_ranks(self, rank: int) -> list[int]:
         """The ep group of `rank`: ep consecutive dp coordinates, same pp, cp, tp."""
@@ -93,19 +134,38 @@ class ParallelDims:
                 for d in range(first, first + self.ep)]
 
     def edp_ranks(self, rank: int) -> list[int]:
-        """The dp ranks holding `rank`'s experts: dp coordinates ≡ dp_i (mod ep)."""
-        c = self.coords(rank)
-        return [self.rank_of(pp=c["pp"], dp=d, cp=c["cp"], tp=c["tp"])
-                for d in range(c["dp"] % self.ep, self.dp, self.ep)]
+        """The ranks of `rank`'s ZeRO group holding its experts (dp coordinates ≡ dp_i mod ep,
+        every cp coordinate): the experts' ZeRO group; their replicas are `replicate_ranks`."""
+        expert = self.coords(rank)["dp"] % self.ep
+        return [r for r in self.shard_ranks(rank) if self.coords(r)["dp"] % self.ep == expert]
+
+    def ranks_in(self, name: GroupName, rank: int) -> list[int]:
+        """The global ranks of `rank`'s group `name` (GROUP_NAMES), in group order."""
+        if name in AXES:
+            return self.group_ranks(name, rank)
+        if name == "world":
+            return list(range(self.world_size))
+        if name not in GROUP_NAMES:
+            raise ValueError(f"unknown group {name!r}; groups: {', '.join(GROUP_NAMES)}")
+        return getattr(self, f"{name}_ranks")(rank)
+
+    def all_of(self, ranks_of) -> list[list[int]]:
+        """Every group `ranks_of(rank)` gives, each once, in a fixed order (new_group needs
+        every rank to create every group in the same order)."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(tuple(ranks_of(r)), None)
+        return [list(g) for g in seen]
 
     def all_groups(self, axis: Axis) -> list[list[int]]:
         """Every group along `axis`, each listed once, in a fixed order (new_group needs it)."""
-        seen: dict[tuple[int, ...], None] = {}
-        for r in range(self.world_size):
-            seen.setdefault(tuple(self.group_ranks(axis, r)), None)
-        return [list(g) for g in seen]
+        return self.all_of(lambda r: self.group_ranks(axis, r))
 
     def is_logging_rank(self, rank: int) -> bool:
         """dp=0, cp=0, tp=0, last pipeline stage: the rank that owns the loss and talks to W&B."""
         c = self.coords(rank)
         return c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0 and c["pp"] == self.pp - 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

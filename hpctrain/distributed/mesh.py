@@ -1,8 +1,13 @@
-"""The process-group mesh: one group per parallel axis for this rank.
+"""The process-group mesh: this rank's group of every name in `dims.GROUP_NAMES`.
 
-Every rank must call `new_group` for every group of an axis in the same order (a torch
-requirement), so we walk `ParallelDims.all_groups` and keep the one containing this rank.
-Modules receive the group they need from here as an argument; none reads a global group.
+One registry: `Mesh.group(name)` for the four axes, the gradient groups (dp_cp, shard,
+replicate), the expert groups (ep, edp) and the world, each derived from
+`ParallelDims.ranks_in` — no other module computes a group's ranks. Every rank must call
+`new_group` for every group in the same order (a torch requirement), so each name's groups are
+all created, in `GROUP_NAMES` order, and this rank keeps its own; a name whose groups equal an
+earlier name's reuses them (dp_cp is dp at cp = 1, shard is dp_cp without HSDP), and "world"
+is the default group. Modules receive the group they need as an argument; none reads a global
+group.
 
 An axis of degree 1 is a group of one rank, never None: code that can skip a collective checks
 `group_size(group) == 1` (cheap, no communication), and a size-1 group given to a collective
@@ -15,6 +20,11 @@ consecutive dp coordinates (dp_i // ep equal) holding disjoint experts and excha
 by all-to-all, and `edp`, the dp ranks with the same dp_i % ep, holding the same experts and
 reducing their gradients. Example, dp=4 ep=2 (tp=cp=pp=1): ep groups {0,1} {2,3}, edp groups
 {0,2} {1,3}.
+
+Hybrid sharding (dims.dp_replicate > 1) adds `shard`, the dp×cp ranks of one replica (ZeRO's
+group), and `replicate`, the ranks holding the same shards in the other replicas; the expert
+groups stay inside a replica. Example, dp=4 dp_replicate=2: shard {0,1} {2,3}, replicate {0,2}
+{1,3}. Without it `shard` is `dp_cp` and `replicate` a one-rank group.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpctrain.distributed.dims import AXES, Axis, ParallelDims
+from hpctrain.distributed.dims import GROUP_NAMES, GroupName, ParallelDims
 from hpctrain.distributed.watchdog import NO_HEARTBEAT, Heartbeat
 
 # What a mesh built without an explicit timeout uses (ClusterConfig.timeout_s's default); never
@@ -38,30 +48,58 @@ class Mesh:
     dims: ParallelDims
     rank: int
     device: torch.device
-    groups: dict[Axis, dist.ProcessGroup] = field(default_factory=dict)
+    # name (dims.GROUP_NAMES) → this rank's group of that name.
+    groups: dict[GroupName, dist.ProcessGroup] = field(default_factory=dict)
     # Every wait on this mesh (collectives of its groups, point-to-point) gives up after this.
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     # This rank's step heartbeat for the hang watchdog (a no-op outside a launched run).
     heartbeat: Heartbeat = NO_HEARTBEAT
-    # The dp×cp group (gradient reduction and ZeRO sharding of replicated parameters); the dp
-    # group itself at cp = 1.
-    dp_cp: dist.ProcessGroup | None = None
-    # Expert parallelism (dims.ep; ParallelDims says the order): `ep` holds disjoint experts
-    # (size 1 at ep = 1), `edp` the same experts (the dp group at ep = 1).
-    ep: dist.ProcessGroup | None = None
-    edp: dist.ProcessGroup | None = None
-    # The whole world, named: `world` is the default group (the training thread's agreements);
-    # `io` is a second, gloo group over the same ranks for checkpoint writes on a background
-    # thread (hpctrain.train.ckpt_writer), so their collectives never interleave with training's.
-    world: dist.ProcessGroup | None = None
+    # A second, gloo group over the whole world for checkpoint writes on a background thread
+    # (hpctrain.train.ckpt_writer), so their collectives never interleave with training's.
     io: dist.ProcessGroup | None = None
 
-    def group(self, axis: Axis) -> dist.ProcessGroup:
-        """The group along `axis`: of size 1 when the axis has degree 1 (callers skip their
-        collectives by checking `group_size`)."""
-        return self.groups[axis]
+    def group(self, name: GroupName) -> dist.ProcessGroup:
+        """This rank's group `name`: of size 1 when it holds only this rank (callers skip
+        their collectives by checking `group_size`)."""
+        return self.groups[name]
 
-    def coord(self, axis: Axis) -> int:
+    def ranks(self, name: GroupName) -> list[int]:
+        """The global ranks of this rank's group `name`."""
+        return self.dims.ranks_in(name, self.rank)
+
+    # The groups the engine and the trainer pass around, by the name they are known under.
+    @property
+    def dp_cp(self) -> dist.ProcessGroup:
+        """dp×cp: the batch's ranks (loss mean, token counts), over which gradients of
+        replicated parameters are averaged; the dp group at cp = 1."""
+        return self.groups["dp_cp"]
+
+    @property
+    def shard(self) -> dist.ProcessGroup:
+        """ZeRO's group: dp_cp, or one replica's part of it under HSDP."""
+        return self.groups["shard"]
+
+    @property
+    def replicate(self) -> dist.ProcessGroup:
+        """HSDP: the ranks holding this rank's shards in the other replicas (else itself)."""
+        return self.groups["replicate"]
+
+    @property
+    def ep(self) -> dist.ProcessGroup:
+        """The ranks holding the other experts (this rank alone at ep = 1)."""
+        return self.groups["ep"]
+
+    @property
+    def edp(self) -> dist.ProcessGroup:
+        """The ranks of this replica holding the same experts (the shard group at ep = 1)."""
+        return self.groups["edp"]
+
+    @property
+    def world(self) -> dist.ProcessGroup:
+        """The default group: every rank (the training thread's agreements)."""
+        return self.groups["world"]
+
+    def coord(self, axis) -> int:
         return self.dims.coords(self.rank)[axis]
 
     @property
@@ -72,57 +110,42 @@ class Mesh:
 def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
                timeout: datetime.timedelta = DEFAULT_TIMEOUT,
                heartbeat: Heartbeat = NO_HEARTBEAT) -> Mesh:
-    """Create the axis groups, each with `timeout` (a stuck collective raises after it instead
-    of waiting torch's 30-minute default); requires an initialised default process group of
-    the right size, which should carry the same timeout. A degree-1 axis gets this rank's own
-    one-rank group, created by this rank alone (hashed name, no store round trip with the
-    others), so it costs no collective setup."""
+    """Create every named group, each with `timeout` (a stuck collective raises after it
+    instead of waiting torch's 30-minute default); requires an initialised default process
+    group of the right size, which should carry the same timeout. A one-rank group is created
+    by this rank alone (hashed name, no store round trip with the others), so a degree-1 axis
+    costs no collective setup."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group has {dist.get_world_size()} ranks but the layout needs "
                          f"{dims.world_size} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}, "
                          f"pp={dims.pp})")
     mesh = Mesh(dims, rank, device, timeout=timeout, heartbeat=heartbeat)
-    for axis in AXES:
-        if dims.degree(axis) == 1:
-            mesh.groups[axis] = dist.new_group([rank], timeout=timeout, group_desc=axis,
-                                               use_local_synchronization=True)
-            continue
-        for ranks in dims.all_groups(axis):
-            group = dist.new_group(ranks, timeout=timeout, group_desc=axis)  # named in dumps
-            if rank in ranks:
-                mesh.groups[axis] = group
-    mesh.dp_cp = mesh.groups["dp"]
-    if dims.cp > 1 and dims.dp > 1:
-        for ranks in dims.all_dp_cp_groups():
-            group = dist.new_group(ranks, timeout=timeout, group_desc="dp_cp")
-            if rank in ranks:
-                mesh.dp_cp = group
-    elif dims.cp > 1:
-        mesh.dp_cp = mesh.groups["cp"]
-    _expert_groups(mesh, timeout)
-    mesh.world = dist.group.WORLD
+    made: dict[tuple, dist.ProcessGroup] = {}  # a partition of the world → this rank's group
+    mesh.groups["world"] = dist.group.WORLD
+    for name in GROUP_NAMES[1:]:
+        partition = tuple(tuple(g) for g in dims.all_of(lambda r, n=name: dims.ranks_in(n, r)))
+        if partition not in made:
+            made[partition] = _make(partition, rank, timeout, name)
+        mesh.groups[name] = made[partition]
     mesh.io = dist.new_group(list(range(dims.world_size)), timeout=timeout, backend="gloo",
                              group_desc="io")
     return mesh
 
 
-def _expert_groups(mesh: Mesh, timeout: datetime.timedelta) -> None:
-    """mesh.ep and mesh.edp (ParallelDims.ep_ranks / edp_ranks), each made by every rank in
-    the same order; at ep = 1 the rank's own group and the dp×cp group."""
-    dims, rank = mesh.dims, mesh.rank
-    mesh.edp = mesh.dp_cp
-    if dims.ep == 1:
-        mesh.ep = dist.new_group([rank], timeout=timeout, group_desc="ep",
-                                 use_local_synchronization=True)
-        return
-    for kind, ranks_of in (("ep", dims.ep_ranks), ("edp", dims.edp_ranks)):
-        seen: dict[tuple[int, ...], None] = {}
-        for r in range(dims.world_size):
-            seen.setdefault(tuple(ranks_of(r)), None)
-        for ranks in seen:
-            group = dist.new_group(list(ranks), timeout=timeout, group_desc=kind)
-            if rank in ranks:
-                setattr(mesh, kind, group)
+def _make(partition: tuple[tuple[int, ...], ...], rank: int, timeout: datetime.timedelta,
+          name: str) -> dist.ProcessGroup:
+    """This rank's group of `partition` (every group of one name): its own one-rank group, else
+    every group created in order (an axis spanning the world too: it gets the mesh's timeout,
+    which the default group need not have)."""
+    if len(partition[0]) == 1:
+        return dist.new_group([rank], timeout=timeout, group_desc=name,
+                              use_local_synchronization=True)
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(list(ranks), timeout=timeout, group_desc=name)  # named in dumps
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

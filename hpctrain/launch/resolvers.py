@@ -8,16 +8,21 @@ a submitit job unpickles and calls; `hpctrain.launch.sbatch`), so
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 
 from omegaconf import OmegaConf
 
+from hpctrain.distributed.dims import AXES
 
-def nodes_for(dp: int, tp: int, pp: int, procs_per_node: int) -> int:
-    """nodes = world / procs_per_node, rounded up: a world that does not fill whole nodes
-    then fails `check_world` with its usual message instead of a resolver traceback."""
-    world = int(dp) * int(tp) * int(pp)
+
+def nodes_for(parallel: Mapping[str, object], procs_per_node: int) -> int:
+    """nodes = world / procs_per_node, rounded up, the world being the product of every axis
+    of the layout (`ParallelDims.AXES`, read from the `parallel` group): a world that does not
+    fill whole nodes then fails `check_world` with its usual message instead of a resolver
+    traceback."""
+    world = math.prod(int(parallel[axis]) for axis in AXES)
     ppn = max(int(procs_per_node), 1)
     return max(-(-world // ppn), 1)
 

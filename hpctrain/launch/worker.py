@@ -23,7 +23,6 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed import hang_report
 from hpctrain.distributed.device import local_device, resolve_device_type
-from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import Mesh, build_mesh
 from hpctrain.distributed.teardown import close_process_groups
 from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
@@ -79,9 +78,8 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
                         timeout_s=cfg.cluster.timeout_s)
     finished = False
     try:
-        p = cfg.parallel
-        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
-        mesh = build_mesh(dims, rank=rank, device=device, timeout=timeout, heartbeat=watchdog)
+        mesh = build_mesh(cfg.parallel.dims, rank=rank, device=device, timeout=timeout,
+                          heartbeat=watchdog)
         with watchdog:
             result = task(cfg, mesh)
         finished = True

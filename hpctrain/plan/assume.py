@@ -78,7 +78,7 @@ def _fp32_grads(model: Shape, layout: Layout, precision: str, ov: Stack) -> floa
     """Bytes an fp32 gradient buffer adds over the memory model's gradients (module doc)."""
     if ov.grad_reduce != "fp32" or precision == "fp32":
         return 0.0
-    shards = layout.dp * layout.cp if layout.zero >= 2 else 1
+    shards = layout.dims.shard_size if layout.zero >= 2 else 1
     return 2 * rank_params(model, tp=layout.tp, pp=layout.pp) / shards
 
 

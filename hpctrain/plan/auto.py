@@ -75,14 +75,10 @@ def _usable(cfg: Config, cluster: ClusterSpec) -> float:
 
 
 def with_layout(cfg: Config, c: Candidate) -> Config:
-    """`cfg` running candidate `c`: its degrees, schedule, ZeRO, offload and recompute."""
-    lay = c.layout
-    parallel = dataclasses.replace(
-        cfg.parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero=lay.zero, sp=lay.sp,
-        offload=lay.offload, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-        microbatches=None)
+    """`cfg` running candidate `c`: its whole layout (every axis, schedule, ZeRO, offload) and
+    its recompute."""
     train = dataclasses.replace(cfg.train, activation_checkpointing=c.recompute)
-    return dataclasses.replace(cfg, parallel=parallel, train=train)
+    return dataclasses.replace(cfg, parallel=c.layout.applied_to(cfg.parallel), train=train)
 
 
 def candidates(cfg: Config, *, accept: Accept | None = None) -> list[Candidate]:

@@ -4,7 +4,7 @@ divisibility rules that make it valid for a model and a batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from hpctrain.distributed.dims import ParallelDims
@@ -38,9 +38,10 @@ class Layout:
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ep: int = 1  # expert parallelism inside dp (hpctrain.plan.experts)
     cp_comm: CpComm = "ring"  # how key/value shards travel under cp > 1 (parallel.cp_comm)
+    dp_replicate: int = 1  # HSDP: ZeRO shards over dp / dp_replicate (hpctrain.distributed.dims)
 
     def __post_init__(self) -> None:
-        ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)  # degrees >= 1
+        _ = self.dims  # raises unless degrees >= 1 and ep, dp_replicate divide what they must
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} must be one of 0, 1, 2, 3")
         if self.offload not in ("none", "cpu"):
@@ -49,10 +50,6 @@ class Layout:
             raise ValueError(f"cp_comm={self.cp_comm!r} must be 'ring' or 'allgather'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp="
-                             f"{self.dp} (expert ranks live inside the dp group): choose ep "
-                             f"from {[e for e in range(1, self.dp + 1) if self.dp % e == 0]}")
         v = self.virtual_stages
         if self.schedule == "zbv" and v != 2:
             raise ValueError(f"schedule='zbv' places 2 chunks per rank; got virtual_stages={v}")
@@ -64,17 +61,39 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        """The degrees and rank order (the same type the run's mesh is built from)."""
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                            dp_replicate=self.dp_replicate)
 
     @property
     def n_devices(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @classmethod
+    def of(cls, parallel) -> Layout:
+        """The layout a `ParallelConfig` runs: every field of Layout is a key of
+        `parallel.*` of the same name (tests/unit/test_layout_once.py holds them together);
+        the schedule and virtual stages as the runtime uses them (none without pp)."""
+        kw = {f.name: getattr(parallel, f.name) for f in fields(cls)}
+        pipelined = parallel.pp > 1
+        kw["virtual_stages"] = (1 if not pipelined else 2 if parallel.schedule == "zbv"
+                                else parallel.virtual_stages)
+        kw["schedule"] = parallel.schedule if pipelined else "1f1b"
+        return cls(**kw)
+
+    def applied_to(self, parallel):
+        """`parallel` (a ParallelConfig) running this layout: every field replaced, derived
+        keys (dp_shard, microbatches) reset to their defaults."""
+        return replace(parallel, **{f.name: getattr(self, f.name) for f in fields(self)},
+                       dp_shard=None, microbatches=None)
 
     def describe(self) -> str:
         """Short label, e.g. 'dp4 tp2 pp2 v1 z1 1f1b sp'."""
         extras = (" sp" if self.sp else "") + (" offload" if self.offload == "cpu" else "")
         extras += f" cp{self.cp}" if self.cp > 1 else ""
         extras += f" ep{self.ep}" if self.ep > 1 else ""
+        extras += f" hsdp{self.dp_replicate}x{self.dp // self.dp_replicate}" \
+            if self.dp_replicate > 1 else ""
         extras += " allgather" if self.cp > 1 and self.cp_comm == "allgather" else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} v{self.virtual_stages} z{self.zero} "

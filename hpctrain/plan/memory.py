@@ -189,14 +189,15 @@ def buffer_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> fl
 
 def rank_state_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> ModelStates:
     """Model states on one rank: dense Ψ sharded (ZeRO) over the dp×cp group, which replicates
-    it; routed experts' Ψ_E/(pp·ep) over the (dp/ep)·cp ranks holding the same experts."""
+    it; routed experts' Ψ_E/(pp·ep) over the (dp/ep)·cp ranks holding the same experts. Under
+    HSDP both shard inside one replica: dp_shard replaces dp."""
     kw = dict(zero=layout.zero, precision=precision, offload=layout.offload)
     psi = rank_params(model, tp=layout.tp, pp=layout.pp)
-    states = model_state_bytes(psi, dp=layout.dp * layout.cp, **kw)
+    states = model_state_bytes(psi, dp=layout.dims.shard_size, **kw)
     psi_e = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
     if not psi_e:
         return states
-    ex = model_state_bytes(psi_e, dp=layout.dp // layout.ep * layout.cp, **kw)
+    ex = model_state_bytes(psi_e, dp=layout.dims.expert_shard_size, **kw)
     return ModelStates(states.params + ex.params, states.grads + ex.grads,
                        states.optimizer + ex.optimizer, host=states.host + ex.host)
 
@@ -204,13 +205,14 @@ def rank_state_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -
 def checkpoint_staging_bytes(model: Shape, layout: Layout) -> float:
     """Host bytes an asynchronous save stages on the busiest rank: its own shard of the fp32
     masters and both AdamW moments, 12 bytes per owned parameter — dense Ψ over the dp×cp
-    shards, routed experts over the (dp/ep)·cp ranks holding them; all of it at zero 0."""
+    shards, routed experts over the (dp/ep)·cp ranks holding them (dp_shard for dp under HSDP:
+    the first replica writes); all of it at zero 0."""
     def share(psi: float, shards: int) -> float:
         return 12.0 * psi / (shards if layout.zero >= 1 else 1)
 
     psi = rank_params(model, tp=layout.tp, pp=layout.pp)
     psi_e = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
-    return share(psi, layout.dp * layout.cp) + share(psi_e, layout.dp // layout.ep * layout.cp)
+    return share(psi, layout.dims.shard_size) + share(psi_e, layout.dims.expert_shard_size)
 
 
 def fp8_buffer_bytes(model: Shape, layout: Layout, *, in_flight: int, recompute: str) -> float:

@@ -70,7 +70,7 @@ def predicted_states(cfg: Config) -> ModelStates:
         flat = p.tp == 1 and p.pp == 1
         return rank_state_bytes(cfg.model, layout_of(cfg),
                                 precision=cfg.train.precision if flat else "fp32")
-    shards = p.dp * p.cp  # the engine replicates (and ZeRO shards) over the dp×cp group
+    shards = p.dims.shard_size  # the engine ZeRO-shards over dp×cp (one replica's, HSDP)
     if p.tp == 1 and p.pp == 1:
         return flat_state_bytes(cfg.model, dp=shards, zero=p.zero,
                                 precision=cfg.train.precision, bucket_mb=p.bucket_mb,
@@ -89,7 +89,7 @@ def predicted_activations(cfg: Config) -> dict[str, float]:
         sp=p.sp, pp=p.pp, layers_per_chunk=cfg.model.n_layers / (p.pp * layout.virtual_stages),
         in_flight=_in_flight(cfg, layout), recompute=t.activation_checkpointing,
         precision=t.precision)
-    if p.zero == 3 and p.dp * p.cp > 1:  # every block's gathered weights, saved until its B
+    if p.zero == 3 and p.dims.shard_size > 1:  # every block's gathered weights, saved until B
         gathered = rank_params(cfg.model, tp=p.tp, pp=p.pp) * state_bytes_per_param(
             t.precision)[0]
         acts = {stage: value + gathered for stage, value in acts.items()}

@@ -60,13 +60,14 @@ def _pipelines(pp: int, schedules: Sequence[str], virtual_stages: Sequence[int])
 def enumerate_layouts(
     model: Shape, *, n_devices: int, global_batch: int, micro_batch_size: int,
     schedules: Sequence[str], zero_stages: Sequence[int], virtual_stages: Sequence[int],
-    context_parallel: Sequence[int] = (1,),
+    context_parallel: Sequence[int] = (1,), gpus_per_node: int = 0,
 ) -> Iterator[Layout]:
     """Valid layouts with dp·cp·tp·pp = n_devices (`layout_problems` empty), cp from
     `context_parallel` (the caller keeps those dividing the sequence into 2·cp chunks); sp on
     when tp > 1; ZeRO stages > 0 only when dp·cp > 1 (they shard nothing otherwise); no
     ZeRO-3 with pipelines (hpctrain gathers ZeRO-3 parameters per block of a whole model, so
-    it refuses that mix); ep from the divisors of dp that divide the model's experts."""
+    it refuses that mix); ep from the divisors of dp that divide the model's experts; with
+    ZeRO ≥ 1 across nodes, also HSDP with one shard group per node (`_replicas`)."""
     for cp in (c for c in context_parallel if n_devices % c == 0):
         for tp in _divisors(n_devices // cp):
             for pp in _divisors(n_devices // (cp * tp)):
@@ -76,11 +77,25 @@ def enumerate_layouts(
                         if zero == 3 and pp > 1:
                             continue
                         for ep in expert_degrees(model, dp):
-                            layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero,
-                                            sp=tp > 1, schedule=schedule, cp=cp, ep=ep)
-                            if not layout_problems(model, layout, global_batch=global_batch,
-                                                   micro_batch_size=micro_batch_size):
-                                yield layout
+                            for r in _replicas(dp, cp * tp, ep, zero, gpus_per_node):
+                                layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v,
+                                                zero=zero, sp=tp > 1, schedule=schedule,
+                                                cp=cp, ep=ep, dp_replicate=r)
+                                if not layout_problems(model, layout, global_batch=global_batch,
+                                                       micro_batch_size=micro_batch_size):
+                                    yield layout
+
+
+def _replicas(dp: int, inner: int, ep: int, zero: int, gpus_per_node: int) -> tuple[int, ...]:
+    """dp_replicate degrees to try: 1, and with ZeRO ≥ 1 the one that makes a shard group
+    (dp_shard·cp·tp consecutive ranks, `inner` = cp·tp) exactly one node, when the dp group
+    spans several nodes and ep divides dp_shard."""
+    if zero == 0 or gpus_per_node < 1 or gpus_per_node % inner:
+        return (1,)
+    shard = gpus_per_node // inner
+    if dp <= shard or dp % shard or shard % ep:
+        return (1,)
+    return (1, dp // shard)
 
 
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
@@ -155,6 +170,7 @@ def search_layouts(
         micro_batch_size=micro_batch_size, schedules=schedules, zero_stages=zero_stages,
         virtual_stages=virtual_stages,
         context_parallel=[c for c in context_parallel if c == 1 or seq_len % (2 * c) == 0],
+        gpus_per_node=cluster.gpus_per_node,
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
               precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token,

@@ -132,11 +132,7 @@ def simulated_in_flight(cfg: Config) -> int:
 
 
 def layout_of(cfg: Config) -> Layout:
-    p = cfg.parallel
-    v = 2 if p.schedule == "zbv" else p.virtual_stages
-    schedule = p.schedule if p.pp > 1 else "1f1b"
-    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, virtual_stages=v, zero=p.zero, offload=p.offload,
-                  sp=p.sp, schedule=schedule, cp=p.cp, ep=p.ep, cp_comm=p.cp_comm)
+    return Layout.of(cfg.parallel)
 
 
 def run_plan(cfg: Config) -> dict[str, Any]:

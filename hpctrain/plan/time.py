@@ -177,8 +177,10 @@ def pp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision) -> f
 
 def dp_comm_s(model: Shape, cluster, layout, *, precision: str) -> float:
     """Gradient reduce-scatter + parameter all-gather of this rank's Ψ (2 for ZeRO-3); routed
-    experts' Ψ_E/(pp·ep) over their own (dp/ep)·cp group, whose members are ep·cp·tp apart."""
-    return sum(dp_comm_parts(model, cluster, layout, precision=precision))
+    experts' Ψ_E/(pp·ep) over their own (dp/ep)·cp group, whose members are ep·cp·tp apart;
+    under HSDP over one replica's part (dp_shard for dp), plus `replicate_s`."""
+    return (sum(dp_comm_parts(model, cluster, layout, precision=precision))
+            + replicate_s(model, cluster, layout, precision=precision))
 
 
 def dp_comm_parts(model: Shape, cluster, layout, *, precision: str,
@@ -187,16 +189,36 @@ def dp_comm_parts(model: Shape, cluster, layout, *, precision: str,
     p_b, g_b = state_bytes_per_param(precision)[:2]
     g_b = ov.grad_bytes(g_b)
     psi = rank_params(model, tp=layout.tp, pp=layout.pp)
-    n = layout.dp * layout.cp  # gradients of replicated parameters reduce over dp×cp
-    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
-    rs, ag = _reduce_gather(psi, g_b, p_b, n=n, bw=bw, lat=lat, zero=layout.zero)
+    dims = layout.dims  # gradients of replicated parameters reduce over (a replica's) dp×cp
+    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=dims.dp_shard)
+    rs, ag = _reduce_gather(psi, g_b, p_b, n=dims.shard_size, bw=bw, lat=lat, zero=layout.zero)
     expert_psi = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
     if expert_psi:
-        bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep, dp=layout.dp // layout.ep)
-        e_rs, e_ag = _reduce_gather(expert_psi, g_b, p_b, n=layout.dp // layout.ep * layout.cp,
+        bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep,
+                          dp=dims.dp_shard // layout.ep)
+        e_rs, e_ag = _reduce_gather(expert_psi, g_b, p_b, n=dims.expert_shard_size,
                                     bw=bw, lat=lat, zero=layout.zero)
         rs, ag = rs + e_rs, ag + e_ag
     return rs, ag
+
+
+def replicate_s(model: Shape, cluster, layout, *, precision: str,
+                ov: Stack = stack.NONE) -> float:
+    """HSDP: seconds of the all-reduce of each rank's reduced gradients over the dp_replicate
+    ranks holding the same shards (dp_shard·cp·tp apart, across nodes): its grad shard under
+    ZeRO-2/3, the whole buffers under ZeRO-0/1; dense and expert units. Issued after backward
+    (hpctrain.parallel.data.ddp): never overlapped."""
+    r, dims = layout.dp_replicate, layout.dims
+    if r == 1:
+        return 0.0
+    g_b = ov.grad_bytes(state_bytes_per_param(precision)[1])
+    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * dims.dp_shard, dp=r)
+    dense = rank_params(model, tp=layout.tp, pp=layout.pp)
+    routed = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
+    zero = layout.zero >= 2
+    nbytes = g_b * (dense / (dims.shard_size if zero else 1)
+                    + routed / (dims.expert_shard_size if zero else 1))
+    return ring_time(nbytes, n=r, bw=bw, latency=lat, op="all_reduce")
 
 
 def _reduce_gather(psi: float, g_b: int, p_b: int, *, n: int, bw: float, lat: float,
@@ -296,14 +318,16 @@ def _dp_time(model, cluster, layout, *, precision, dp_overlap, ov, costs) -> flo
     """Exposed dp seconds: (1 − dp_overlap) of the reduce-scatter + all-gather, or under
     ov.dp what outlasts one microbatch's backward / forward on this rank (`plan.stack`)."""
     rs, ag = dp_comm_parts(model, cluster, layout, precision=precision, ov=ov)
+    replicas = replicate_s(model, cluster, layout, precision=precision, ov=ov)
     if not ov.dp:
-        return (1.0 - dp_overlap) * (rs + ag)
+        return (1.0 - dp_overlap) * (rs + ag) + replicas
     v = layout.virtual_stages
     bucket = stack.BUCKET_PARAMS * ov.grad_bytes(state_bytes_per_param(precision)[1])
-    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dp)
-    one = ring_time(bucket, n=layout.dp * layout.cp, bw=bw, latency=lat, op="reduce_scatter")
-    return stack.dp_exposed(rs, ag, bucket_s=one, backward_s=v * (costs[1] + costs[2]),
-                              forward_s=v * costs[0])
+    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dims.dp_shard)
+    one = ring_time(bucket, n=layout.dims.shard_size, bw=bw, latency=lat, op="reduce_scatter")
+    return replicas + stack.dp_exposed(rs, ag, bucket_s=one,
+                                       backward_s=v * (costs[1] + costs[2]),
+                                       forward_s=v * costs[0])
 
 
 def step_time(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpctrain.distributed.mesh import group_rank
 from hpctrain.parallel.state import ParallelState, ParamShard
 
 
@@ -105,8 +106,10 @@ def unit_chunks(parallel: ParallelState, flats: dict[int, dict[str, torch.Tensor
     """This rank's chunks of every state key, cut from `flats` (unit index → {"master",
     "exp_avg", "exp_avg_sq"} flat shards: the optimizer's own, or a staged copy of them).
     `copies`: include the pieces of parameters this rank holds as a copy (to load them; a
-    save leaves them to the original's rank)."""
+    save leaves them to the original's rank, and under HSDP to the first replica)."""
     out = []
+    if not copies and group_rank(parallel.engine.replicas) != 0:
+        return out  # another replica holds (and writes) the same shards
     for unit in parallel.engine.units:
         for piece in unit.layout.owned(unit.shard_rank):
             shard = parallel.shards[unit.names[piece.index]]

@@ -50,22 +50,32 @@ def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip
 
 
 def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0.01,
-                comm="fp32", offload="none", group=None):
+                comm="fp32", offload="none", group=None, replicate: int = 1):
+    """The debug model in a dp engine over the world (or `group`); `replicate` > 1: HSDP,
+    sharded over world / replicate consecutive ranks and all-reduced over the replicas."""
     model = build_model(PRESETS["debug"], seed=0).to(dtype)
-    engine = DataParallel(model, group=group or dist.group.WORLD, zero=zero, precision=precision,
-                          optim=OPTIM, bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload)
+    groups = {"group": group or dist.group.WORLD}
+    if replicate > 1:
+        mesh = _mesh(replicate)
+        groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}
+    engine = DataParallel(model, zero=zero, precision=precision, optim=OPTIM,
+                          bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload, **groups)
     return model, engine
+
+
+def _mesh(replicate: int = 1):
+    from hpctrain.distributed.dims import ParallelDims
+    from hpctrain.distributed.mesh import build_mesh
+
+    dims = ParallelDims(dp=dist.get_world_size(), dp_replicate=replicate)
+    return build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
 
 
 def dp_state(model, engine):
     """The ParallelState of a dp-only world (dp = world size) around `engine`."""
-    from hpctrain.distributed.dims import ParallelDims
-    from hpctrain.distributed.mesh import build_mesh
     from hpctrain.parallel.state import parallel_state
 
-    mesh = build_mesh(ParallelDims(dp=dist.get_world_size()), rank=dist.get_rank(),
-                      device=torch.device("cpu"))
-    return parallel_state(model, mesh=mesh, engine=engine)
+    return parallel_state(model, mesh=_mesh(), engine=engine)
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:
@@ -76,10 +86,10 @@ def full_params(engine) -> dict[str, torch.Tensor]:
 
 
 def run_dp(steps: int, *, zero: int, accum: int, precision="fp32", dtype=torch.float32,
-           comm="fp32", offload="none", grad_clip=1.0):
+           comm="fp32", offload="none", grad_clip=1.0, replicate: int = 1):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=zero, precision=precision, dtype=dtype, comm=comm,
-                                offload=offload)
+                                offload=offload, replicate=replicate)
     vocab = PRESETS["debug"].vocab_size
     losses = []
     for step in range(steps):
@@ -89,10 +99,28 @@ def run_dp(steps: int, *, zero: int, accum: int, precision="fp32", dtype=torch.f
     return full_params(engine), losses
 
 
-def compare_with_reference(steps: int, *, zero: int, accum: int, dtype=torch.float32):
-    got, _ = run_dp(steps, zero=zero, accum=accum, dtype=dtype)
-    ref = reference(steps, dp=dist.get_world_size(), accum=accum, dtype=dtype)
+def compare_with_reference(steps: int, *, zero: int, accum: int, dtype=torch.float32,
+                           replicate: int = 1, grad_clip: float = 1.0):
+    got, _ = run_dp(steps, zero=zero, accum=accum, dtype=dtype, replicate=replicate,
+                    grad_clip=grad_clip)
+    ref = reference(steps, dp=dist.get_world_size(), accum=accum, dtype=dtype,
+                    grad_clip=grad_clip)
     return max(float((got[n].to(dtype) - ref[n]).abs().max()) for n in ref)
+
+
+def hsdp_shards(zero: int, *, replicate: int = 2) -> tuple[int, int, int]:
+    """After one HSDP step: (elements of this rank's optimizer shards, elements of the model,
+    0 if the master shards equal those of the rank `world / replicate` apart, else 1)."""
+    model, engine = make_engine(zero=zero, replicate=replicate, dtype=torch.float64)
+    mbs = rank_micro_batches(0, dp=dist.get_world_size(), rank=dist.get_rank(), accum=1,
+                             vocab=PRESETS["debug"].vocab_size)
+    engine.train_step(mbs, n_micro=1, precision="fp32", scaler=LossScaler(enabled=False),
+                      grad_clip=0.05)
+    flat = torch.cat([engine.optimizer.state[u.index]["master"] for u in engine.units])
+    others = [torch.empty_like(flat) for _ in range(replicate)]
+    dist.all_gather(others, flat, group=engine.replicas)
+    same = all(torch.equal(o, flat) for o in others)
+    return flat.numel(), sum(u.layout.numel for u in engine.units), 0 if same else 1
 
 
 def overlap_times():

@@ -60,10 +60,32 @@ def test_comm_completes_with_positive_numbers_and_correct_results(world2):
 def _comm_ep2_of_dp4():
     from hpctrain.bench.comm import run_comm
 
-    mesh = build_mesh(ParallelDims(dp=4), rank=dist.get_rank(), device=torch.device("cpu"))
+    mesh = build_mesh(ParallelDims(dp=4, ep=2), rank=dist.get_rank(),
+                      device=torch.device("cpu"))
     b = BenchConfig(collectives=("all_to_all",), groups=("ep",), min_bytes=64, max_bytes=512,
                     iters=2, warmup=1)
-    return run_comm(b, mesh, ep=2)
+    return run_comm(b, mesh)
+
+
+def _comm_groups(dims: ParallelDims, groups: tuple[str, ...]):
+    from hpctrain.bench.comm import run_comm
+
+    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+    b = BenchConfig(collectives=("all_reduce",), groups=groups, min_bytes=64, max_bytes=64,
+                    iters=1, warmup=0)
+    return {(r["group"], tuple(r["group_ranks"])) for r in run_comm(b, mesh) if r["correct"]}
+
+
+@pytest.mark.parametrize("dims, want", [
+    (ParallelDims(dp=2, cp=2), {("cp", (0, 1)), ("cp", (2, 3)), ("dp", (0, 2)), ("dp", (1, 3))}),
+    (ParallelDims(dp=4, dp_replicate=2), {("shard", (0, 1)), ("shard", (2, 3)),
+                                          ("replicate", (0, 2)), ("replicate", (1, 3))}),
+])
+def test_comm_times_a_group_per_axis_from_the_mesh(world4, dims, want):
+    """Context-parallel and HSDP groups are timed as the mesh builds them (the dp group of
+    dp=4 is the world: timed as `world` only)."""
+    got = set().union(*world4.run(_comm_groups, dims, ("cp", "dp", "shard", "replicate")))
+    assert got == want
 
 
 def test_comm_measures_all_to_all_over_the_expert_parallel_groups(world4):

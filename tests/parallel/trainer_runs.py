@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.train.trainer import Trainer
 from tests.conftest import make_config
@@ -27,9 +26,7 @@ def run_trainer(overrides: list[str], run_dir: str, *, steps: int,
     cfg = make_config([*base, f"train.steps={steps}",
                        f"cluster.procs_per_node={dist.get_world_size()}", *overrides],
                       run_dir=run_dir)
-    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                        cp=cfg.parallel.cp, ep=cfg.parallel.ep)
-    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
+    mesh = build_mesh(cfg.parallel.dims, rank=dist.get_rank(), device=torch.device("cpu"))
     trainer = Trainer(cfg, mesh)
     if run:
         trainer.run()

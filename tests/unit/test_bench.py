@@ -143,10 +143,13 @@ def test_every_bench_option_lists_every_key():
 
 
 def test_ep_groups_are_consecutive_dp_ranks_at_fixed_tp():
-    from hpctrain.bench.comm import ep_group_ranks
     from hpctrain.distributed.dims import ParallelDims
 
-    assert ep_group_ranks(ParallelDims(dp=4, tp=2), ep=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert ep_group_ranks(ParallelDims(dp=4, pp=2), ep=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    d = ParallelDims(dp=4, tp=2, ep=2)
+    assert d.all_of(d.ep_ranks) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    d = ParallelDims(dp=4, pp=2, ep=4)
+    assert d.all_of(d.ep_ranks) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="parallel.ep=3 must be >= 1 and divide parallel.dp=4"):
-        ep_group_ranks(ParallelDims(dp=4), ep=3)
+        ParallelDims(dp=4, ep=3)
+
+

@@ -19,7 +19,7 @@ def test_cp_sits_between_dp_and_tp():
     assert d.group_ranks("cp", 6) == [4, 6]
     assert d.group_ranks("dp", 6) == [2, 6]
     assert d.dp_cp_ranks(6) == [0, 2, 4, 6]
-    assert sorted(r for g in d.all_dp_cp_groups() for r in g) == list(range(16))
+    assert sorted(r for g in d.all_of(d.dp_cp_ranks) for r in g) == list(range(16))
     assert ParallelDims(dp=2).dp_cp_ranks(1) == [0, 1]
 
 

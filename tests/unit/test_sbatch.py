@@ -69,7 +69,11 @@ def test_slurm_config_composes_launcher_from_cluster():
 
 
 def test_resolvers():
-    assert nodes_for(4, 1, 1, 2) == 2 and nodes_for(2, 2, 2, 4) == 2 and nodes_for(3, 1, 1, 2) == 2
+    def lay(dp, tp, pp, cp=1):
+        return {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+
+    assert nodes_for(lay(4, 1, 1), 2) == 2 and nodes_for(lay(2, 2, 2), 4) == 2
+    assert nodes_for(lay(3, 1, 1), 2) == 2 and nodes_for(lay(2, 1, 1, cp=4), 4) == 2
     assert gres_for(0) is None and gres_for(4) == "gpu:4"
     assert setup_lines(["module load x"], {"B": "a b", "A": 1}) == [
         "module load x", "export A=1", "export B='a b'"]

@@ -7,10 +7,12 @@ from hpctrain.parallel.data.engine import DataParallel
 
 def build_data_parallel(model, cfg, mesh, **axes) -> DataParallel:
     """The trainer's engine for `cfg.parallel` (zero, bucket_mb, grad_comm_dtype, offload) over
-    the dp×cp group (the dp group at cp = 1: parameters are replicated over both); `axes`
+    the dp×cp group (the dp group at cp = 1: parameters are replicated over both), sharded
+    inside one replica's part of it under HSDP (mesh.shard, mesh.replicate); `axes`
     (pre_reduce, norm_groups, grad_replicas) compose it with tp and pp."""
     p = cfg.parallel
-    return DataParallel(model, group=mesh.dp_cp, zero=p.zero,
+    return DataParallel(model, group=mesh.shard, replicas=mesh.replicate,
+                        batch_group=mesh.dp_cp, zero=p.zero,
                         precision=cfg.train.precision, optim=cfg.optim, bucket_mb=p.bucket_mb,
                         grad_comm_dtype=p.grad_comm_dtype, offload=p.offload, **axes)
 

@@ -12,6 +12,10 @@ Reduction is an explicit step: `no_sync()` (entered by the step for every micro-
 last of an accumulation window) only accumulates locally; `finish()` issues whatever is left
 (units with unused parameters), waits for every collective and divides by dp.
 
+Hybrid sharding: `group` is the shard group and `replicas` the same shards' ranks in the other
+replicas; each unit's reduced result (its full buffer, or its grad shard) is then all-reduced
+over `replicas` in fp32 (fp64 for fp64) before the division by dp = shard size × replicas.
+
 Wire dtype: with grad_comm_dtype=fp32 the sum is exact in fp32 (fp64 for fp64 grads). With
 bf16/fp16 on the wire, gradients are sent in 16 bits but summed in fp32: each rank all-gathers
 the 16-bit buffers and adds them locally (gloo has no PREMUL_SUM or mixed-dtype reduce).
@@ -61,6 +65,7 @@ class GradReducer:
     zero: int
     comm_dtype: str = "fp32"
     on_unit_done: Callable[[FlatUnit], None] | None = None  # ZeRO-3 frees params here
+    replicas: dist.ProcessGroup | None = None  # HSDP: all-reduce each result over these
     issue_times: list[tuple[int, float]] = field(default_factory=list)  # this step's only
     _sync: bool = True
     _ready: dict[int, int] = field(default_factory=dict)
@@ -146,7 +151,8 @@ class GradReducer:
         unit, buf = pending.unit, pending.buf
         acc = self._acc_dtype(unit)
         dp = self._group_of(unit)[1]
-        divisor = unit.grad_divisor or dp
+        replicas = group_size(self.replicas)
+        divisor = unit.grad_divisor or dp * replicas
         if dp > 1 and buf.dtype != acc:
             n = unit.layout.padded_numel
             parts = buf.view(dp, n)
@@ -158,11 +164,12 @@ class GradReducer:
             lo, hi = unit.layout.shard_range(unit.shard_rank)
             buf = buf[lo:hi]
         target = unit.grad_full if unit.grad_full is not None else unit.grad_shard
-        if buf.data_ptr() == target.data_ptr():
-            if divisor != 1:  # x / 1 is x: skip a pass over the bucket (dp=1, e.g. pp only)
-                target.div_(divisor)
-        else:
-            target.copy_(buf.to(acc).div_(divisor))
+        if buf.data_ptr() != target.data_ptr():
+            target.copy_(buf)
+        if replicas > 1:  # the other replicas' sums of the same elements
+            dist.all_reduce(target, group=self.replicas)
+        if divisor != 1:  # x / 1 is x: skip a pass over the bucket (dp=1, e.g. pp only)
+            target.div_(divisor)
 
     def _group_of(self, unit: FlatUnit) -> tuple:
         """(group, its size) a unit is reduced over: its own (experts) or the dp group."""

@@ -21,6 +21,12 @@ overlapped with backward, every collective is issued by `reduce_and_update`; `no
 its schedule under `reducer.no_sync()` (no dp collective in the middle of the schedule's p2p)
 and then calls `reduce_and_update`.
 
+Hybrid sharding (HSDP): `group` is then the shard group (the dp×cp ranks of one replica: units
+are sharded, gathered and their norms summed there) and `replicas` the ranks holding the same
+shards in the other replicas; every reduced gradient is all-reduced over `replicas` before the
+update, so replicas step identically. `batch_group` (all dp×cp ranks) averages the loss and
+weighs the micro-batches. Without HSDP `replicas` is one rank and `batch_group` is `group`.
+
 Precision: for bf16/fp16 the model's parameters are cast to 16 bits (compute copies) and fp32
 masters live in the optimizer shards; fp32 (and fp64) parameters are their own masters.
 """
@@ -98,17 +104,19 @@ class DataParallel:
                  bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none",
                  pre_reduce: Callable[[], None] | None = None, norm_groups: tuple = (),
                  grad_replicas: dict[int, int] | None = None,
-                 experts: ExpertGroups | None = None):
+                 experts: ExpertGroups | None = None, replicas=None, batch_group=None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
+        self.replicas = replicas  # HSDP (module docstring); None or one rank: no replicas
+        self.batch_group = group if batch_group is None else batch_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if experts is not None and zero == 0:  # see _expert_norm
             norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
         # Overflow must be agreed by every rank that steps together: the dp group alone only
         # when the units hold the whole model, else every rank (tp/pp shards step together).
         split = any(group_size(g) > 1 for g in norm_groups)
-        self.overflow_group = dist.group.WORLD if split else group
+        self.overflow_group = dist.group.WORLD if split else self.batch_group
         dp, rank = group_size(group), group_rank(group)
         dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
         is_expert = (lambda p: id(p) in experts.params) if experts else (lambda p: False)
@@ -128,7 +136,7 @@ class DataParallel:
                     group=experts.group, grad_divisor=experts.divisor))
         self.zero3 = (Zero3Params(model, self.units, group=group, experts=block_units)
                       if zero == 3 else None)
-        self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype,
+        self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype, replicas=replicas,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
         self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
                                       norm_groups=norm_groups, grad_replicas=grad_replicas)
@@ -140,7 +148,7 @@ class DataParallel:
         multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         micro_batches = list(micro_batches)
-        divisors = loss_divisors(micro_batches, dp_group=self.group, device=device)
+        divisors = loss_divisors(micro_batches, dp_group=self.batch_group, device=device)
         for i, (micro, divisor) in enumerate(zip(micro_batches, divisors, strict=True)):
             inputs_BL, targets_BL, docs = split_micro_batch(micro)
             docs = None if docs is None else docs.to(device)
@@ -167,7 +175,7 @@ class DataParallel:
             self.pre_reduce()
         self.reducer.finish()
         if loss is not None:  # before the update, so every dp rank judges the same mean loss
-            allreduce_mean([loss], self.group)
+            allreduce_mean([loss], self.batch_group)
         skipped = scaler.enabled and scaler.found_overflow(self.optimizer.grad_shards(),
                                                            group=self.overflow_group)
         scaler.update(skipped)

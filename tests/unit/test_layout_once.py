@@ -1,0 +1,104 @@
+"""The layout is described once (hpctrain.distributed.dims.ParallelDims): every consumer derives
+from it and agrees, over many random valid layouts — the config's world size, the planner's
+Layout and what `parallel=auto` applies, the Slurm node count, the mesh's named groups (their
+sizes and nesting) and the cluster benchmark's group names."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import typing
+
+import pytest
+
+from hpctrain.bench.config import AxisGroup
+from hpctrain.config import ParallelConfig
+from hpctrain.distributed.dims import GROUP_NAMES, ParallelDims
+from hpctrain.launch.resolvers import nodes_for
+from hpctrain.plan.layout import Layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _random_parallel(rng: random.Random) -> ParallelConfig:
+    dp, tp, pp, cp = (rng.choice([1, 2, 3, 4, 6]) for _ in range(4))
+    replicate = rng.choice(_divisors(dp))
+    ep = rng.choice(_divisors(dp // replicate))
+    schedule = rng.choice(["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zbv"])
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=replicate,
+                          zero=rng.choice([0, 1, 2, 3]), sp=tp > 1 and rng.random() < 0.5,
+                          schedule=schedule, cp_comm=rng.choice(["ring", "allgather"]),
+                          virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv") else 1)
+
+
+LAYOUTS = [_random_parallel(random.Random(seed)) for seed in range(150)]
+
+
+def _sizes(d: ParallelDims) -> dict[str, int]:
+    return {"world": d.world_size, "pp": d.pp, "dp": d.dp, "cp": d.cp, "tp": d.tp,
+            "dp_cp": d.dp * d.cp, "shard": d.shard_size, "replicate": d.dp_replicate,
+            "ep": d.ep, "edp": d.expert_shard_size}
+
+
+@pytest.mark.parametrize("p", LAYOUTS, ids=lambda p: Layout.of(p).describe().replace(" ", "_"))
+def test_every_consumer_agrees_on_the_layout(p):
+    d = p.dims
+    assert p.world_size == d.world_size == Layout.of(p).n_devices == p.dp * p.tp * p.pp * p.cp
+    assert Layout.of(p).dims == d
+    # parallel=auto applies a layout whole: every field of it, nothing left from before
+    assert Layout.of(Layout.of(p).applied_to(ParallelConfig())) == Layout.of(p)
+    for ppn in (1, 4, 8):
+        assert nodes_for(dataclasses.asdict(p), ppn) == math.ceil(d.world_size / ppn)
+    sizes = _sizes(d)
+    for name in GROUP_NAMES:
+        partition = d.all_of(lambda r, n=name: d.ranks_in(n, r))
+        assert sorted(r for g in partition for r in g) == list(range(d.world_size)), name
+        assert {len(g) for g in partition} == {sizes[name]}, name
+    for rank in range(d.world_size):
+        shard, dp_cp = set(d.ranks_in("shard", rank)), set(d.ranks_in("dp_cp", rank))
+        assert shard <= dp_cp and set(d.ranks_in("replicate", rank)) & shard == {rank}
+        assert set(d.ranks_in("ep", rank)) | set(d.ranks_in("edp", rank)) <= shard
+        assert set(d.ranks_in("ep", rank)) & set(d.ranks_in("edp", rank)) == {rank}
+
+
+def test_layout_fields_are_parallel_keys_and_bench_groups_are_mesh_groups():
+    config_keys = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert {f.name for f in dataclasses.fields(Layout)} <= config_keys
+    assert set(typing.get_args(AxisGroup)) <= set(GROUP_NAMES)
+
+
+def test_nodes_count_every_axis_cp_included():
+    p = ParallelConfig(dp=2, cp=4)
+    assert nodes_for(dataclasses.asdict(p), 4) == 2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.dp=4", "parallel.dp_replicate=3"],
+     r"parallel.dp_replicate=3 does not divide parallel.dp=4 .*among \[1, 2, 4\]"),
+    (["parallel.dp=4", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
+     r"parallel.dp_shard=4 × parallel.dp_replicate=2 = 8, but parallel.dp=4: set "
+     r"parallel.dp_shard=2"),
+    (["parallel.dp=4", "parallel.dp_replicate=0"], r"parallel.dp_replicate=0"),
+    (["parallel.dp=4", "parallel.dp_replicate=4", "model=debug_moe", "parallel.ep=2"],
+     r"parallel.ep=2 does not divide parallel.dp_shard=1"),
+    (["parallel.dp=8", "parallel.dp_replicate=2", "cluster=slurm", "cluster.procs_per_node=8",
+      "parallel.tp=3"],
+     r"a shard group of parallel.dp_shard=4 × cp=1 × tp=3 = 12 ranks straddles nodes"),
+])
+def test_bad_hsdp_triples_are_refused_naming_the_fix(overrides, match, tmp_path):
+    from tests.conftest import make_config
+
+    with pytest.raises(ValueError, match=match):
+        make_config(["model=debug", *overrides], run_dir=tmp_path)
+
+
+def test_hsdp_accepted_with_dp_shard_given_or_derived(tmp_path):
+    from tests.conftest import make_config
+
+    for extra in ([], ["parallel.dp_shard=2"]):
+        cfg = make_config(["model=debug", "parallel.dp=4", "parallel.dp_replicate=2",
+                           "cluster.procs_per_node=4", *extra], run_dir=tmp_path)
+        assert (cfg.parallel.dims.dp_shard, cfg.parallel.dims.dp_replicate) == (2, 2)
