@@ -61,7 +61,8 @@ def _model(name: str, dim: int | None, layers: int | None) -> tuple[ModelConfig,
         cfg = cfg.with_(dim=dim or cfg.dim, n_layers=layers or cfg.n_layers,
                         ffn_dim=int(8 * (dim or cfg.dim) / 3) // 64 * 64)
     model = build_model(cfg, seed=0)
-    engine = DataParallel(model, group=dist.group.WORLD, zero=0, precision="fp32",
+    engine = DataParallel(model, group=dist.group.WORLD, batch_group=dist.group.WORLD,
+                          zero=0, precision="fp32",
                           optim=OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     engine.train_step([(tokens, tokens)], n_micro=1, precision="fp32",

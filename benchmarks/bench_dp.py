@@ -85,7 +85,7 @@ class Engine:
 
 def hpctrain_engine(zero: int, args, *, replicas: int = 1) -> Engine:
     model = build_model(model_config(args), seed=0)
-    groups = {"group": dist.group.WORLD}
+    groups = {"group": dist.group.WORLD, "batch_group": dist.group.WORLD}
     if replicas > 1:  # HSDP through the run's own mesh (hpctrain.distributed.mesh)
         dims = ParallelDims(dp=dist.get_world_size(), dp_replicate=replicas)
         mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))

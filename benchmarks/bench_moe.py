@@ -65,7 +65,8 @@ def run_layout(name: str, ep: int, rank: int, world: int, args) -> dict:
     mesh = build_mesh(ParallelDims(dp=world, ep=ep), rank=rank, device=torch.device("cpu"))
     model = build_model(cfg, seed=0)
     experts = apply_expert_parallel(model, mesh)
-    engine = DataParallel(model, group=mesh.dp_cp, zero=1, precision="fp32", optim=OPTIM,
+    engine = DataParallel(model, group=mesh.dp_cp, batch_group=mesh.dp_cp,
+                          zero=1, precision="fp32", optim=OPTIM,
                           experts=experts)
     timer = A2ATimer()
     dispatch.dist.all_to_all_single = timer

@@ -38,6 +38,7 @@ from common import bench_config, median, spawn, to_nn_linear
 from sleep_stages import SleepLocal, SleepStage, p2p_one_way
 
 from hpctrain.config import OptimConfig
+from hpctrain.distributed.mesh import own_group
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
@@ -61,11 +62,13 @@ def hp_variant(name: str, cfg, rank: int, args):
     no_sync, then the one update path (DataParallel: global norm over pp, fused AdamW)."""
     sched = build_schedule(name, pp=2, microbatches=args.microbatches,
                            virtual_stages=SCHEDULES[name])
-    local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
+    local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0,
+                                  tp_group=own_group())
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=[0, 1],
                               act_shape=(args.mb, args.seq, cfg.dim))
-    alone = dist.new_group([rank], use_local_synchronization=True)  # dp=1: a one-rank group
-    engine = DataParallel(local, group=alone, zero=0, precision="fp32", optim=OPTIM,
+    alone = own_group()  # dp=1
+    engine = DataParallel(local, group=alone, batch_group=alone,
+                          zero=0, precision="fp32", optim=OPTIM,
                           norm_groups=(dist.group.WORLD,))
     scaler = LossScaler(enabled=False)
 

@@ -28,7 +28,7 @@ from hpctrain.validate_inputs import check_prepared
 def train_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     """The trainer, with the launcher's agreed stop check and the planner's prediction."""
     prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
-    stop = functools.partial(preempt.stop_agreed, device=mesh.device)
+    stop = functools.partial(preempt.stop_agreed, group=mesh.world, device=mesh.device)
     return Trainer(cfg, mesh, stop_requested=stop, prediction=prediction).run()
 
 

@@ -148,6 +148,12 @@ def _make(partition: tuple[tuple[int, ...], ...], rank: int, timeout: datetime.t
     return mine
 
 
+def own_group(timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.ProcessGroup:
+    """This rank's one-rank group (what a degree-1 axis is), made without the other ranks."""
+    return dist.new_group([dist.get_rank()], timeout=timeout, group_desc="own",
+                          use_local_synchronization=True)
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in `group`; 1 for None (no process group: a single process)."""
     return 1 if group is None else dist.get_world_size(group)

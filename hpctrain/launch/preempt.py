@@ -70,9 +70,8 @@ class StopRequest:
         self.code = self.agreed = NONE
         self.signum, self.installed = None, False
 
-    def agreed_code(self, group: dist.ProcessGroup | None = None,
-                    device: torch.device | None = None) -> int:
-        """Collective over `group` (the world by default): the MAX of every rank's code.
+    def agreed_code(self, *, group: dist.ProcessGroup, device: torch.device) -> int:
+        """Collective over `group` (the mesh's world): the MAX of every rank's code.
         Without installed handlers (a mesh used outside a launcher) no rank can be signalled:
         no collective."""
         if not self.installed:
@@ -86,10 +85,10 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def stop_agreed(group: dist.ProcessGroup | None = None,
-                device: torch.device | None = None) -> bool:
-    """True on every rank when any rank was signalled (call it at the same step everywhere)."""
-    return STOP.agreed_code(group, device) > NONE
+def stop_agreed(*, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """True on every rank of `group` (the world) when any rank was signalled (call it at the
+    same step everywhere)."""
+    return STOP.agreed_code(group=group, device=device) > NONE
 
 
 def requeue_if_asked(*, rank: int, grace_s: float = 3.0) -> bool:

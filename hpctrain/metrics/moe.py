@@ -51,10 +51,10 @@ def _layer_counts(layers, stats, *, device: torch.device) -> torch.Tensor:
 
 
 def moe_metrics(model: nn.Module, *, group, device: torch.device,
-                pp_group=None) -> dict[str, Any]:
+                pp_group) -> dict[str, Any]:
     """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
-    `group` (the dp group): every rank of it calls this after every step. With pipeline
-    stages pass `pp_group` when the model has MoE layers: each rank holds only its stages'
+    `group` (the dp group): every rank of it calls this after every step. `pp_group`: the
+    pipeline group (one rank without pp); with stages each rank holds only its stages'
     layers, so the per-layer sums and extremes are combined over it (every pp rank calls,
     also one whose stages hold no MoE layer), giving the whole model's numbers."""
     layers = moe_layers(model)

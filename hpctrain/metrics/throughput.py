@@ -71,8 +71,7 @@ class BatchCounts:
         return model.training_flops(tokens=self.tokens, attended=self.attended)
 
 
-def batch_counts(micro_batches, *, group=None, device: torch.device | None = None
-                 ) -> BatchCounts:
+def batch_counts(micro_batches, *, group, device: torch.device | None = None) -> BatchCounts:
     """Count `micro_batches` ((inputs, targets[, docs]) tuples), summed over `group` (the dp
     group: each rank holds its own share of the global batch; one small all-reduce on
     `device`, the mesh's)."""

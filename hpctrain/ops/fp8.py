@@ -84,10 +84,12 @@ class Quantized:
         return Quantized(self.q.t(), self.inv.t() if self.inv.dim() else self.inv)
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None, group=None) -> Quantized:
+def quantize(t: torch.Tensor, dtype: torch.dtype, *, dim: int | None,
+             group: dist.ProcessGroup | None) -> Quantized:
     """Quantize `t` (2-d) to `dtype` with a scale from its amax: over the whole tensor
     (dim None) or along `dim` (one scale per slice, kept as a broadcastable dim). `group`:
-    all-reduce the amax (MAX) over it first, so a shard gets the full tensor's scale."""
+    all-reduce the amax (MAX) over it first, so a shard gets the full tensor's scale; None:
+    this tensor is whole (`Fp8Spec.reduces` says which operands are shards)."""
     a = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
     a = a.float()
     if group is not None:

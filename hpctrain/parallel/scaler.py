@@ -25,9 +25,9 @@ class LossScaler:
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def found_overflow(self, grads: list[torch.Tensor], group=None) -> bool:
-        """True when any gradient on any rank of `group` holds inf/nan (None: this process
-        alone; pass `dist.group.WORLD` for every rank)."""
+    def found_overflow(self, grads: list[torch.Tensor], *, group) -> bool:
+        """True when any gradient on any rank of `group` holds inf/nan (a one-rank group, or
+        None without torch.distributed: this process alone)."""
         local = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([1.0 if local else 0.0], device=grads[0].device if grads else None)
         if group_size(group) > 1:

@@ -188,9 +188,8 @@ class Trainer:
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
                 **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
                 **take_cp_bytes(self.parallel.cp_comm),
-                **moe_metrics(self.model, group=self.mesh.group("dp"), device=self.mesh.device,
-                              pp_group=self.mesh.group("pp") if cfg.model.moe.enabled
-                              else None),
+                **(moe_metrics(self.model, group=self.mesh.group("dp"), device=self.mesh.device,
+                               pp_group=self.mesh.group("pp")) if cfg.model.moe.enabled else {}),
                 **step_extra}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0
     """The debug model in a dp engine over the world (or `group`); `replicate` > 1: HSDP,
     sharded over world / replicate consecutive ranks and all-reduced over the replicas."""
     model = build_model(PRESETS["debug"], seed=0).to(dtype)
-    groups = {"group": group or dist.group.WORLD}
+    groups = {"group": group or dist.group.WORLD, "batch_group": group or dist.group.WORLD}
     if replicate > 1:
         mesh = _mesh(replicate)
         groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}

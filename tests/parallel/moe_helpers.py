@@ -35,7 +35,8 @@ def _parallel(ep: int, *, zero: int, dtype, capacity: float):
                       device=torch.device("cpu"))
     model = build_model(moe_config(capacity), seed=0).to(dtype)
     experts = apply_expert_parallel(model, mesh)
-    engine = DataParallel(model, group=mesh.dp_cp, zero=zero, precision="fp32", optim=OPTIM,
+    engine = DataParallel(model, group=mesh.dp_cp, batch_group=mesh.dp_cp,
+                          zero=zero, precision="fp32", optim=OPTIM,
                           bucket_mb=0.01, experts=experts)
     return mesh, model, engine
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.dims import ParallelDims
-from hpctrain.distributed.mesh import build_mesh, group_rank
+from hpctrain.distributed.mesh import build_mesh, group_rank, own_group
 from hpctrain.metrics.moe import moe_metrics
 from hpctrain.models import build_model
 from hpctrain.models.moe import MoE, take_moe_stats, take_router_loss
@@ -43,7 +43,8 @@ def pp_gradients(schedule: str, *, m: int = 4):
     rank, pp = dist.get_rank(), dist.get_world_size()
     cfg = moe_config()
     sched = build_schedule(schedule, pp=pp, microbatches=m, virtual_stages=1)
-    local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0)
+    local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0,
+                                  tp_group=own_group())
     local.double()
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=list(range(pp)),
                               act_shape=(MICRO, SEQ, cfg.dim))

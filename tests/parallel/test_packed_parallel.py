@@ -180,7 +180,8 @@ def run_engine(dp: int, tp: int, *, sp: bool) -> dict[str, float]:
         if tp > 1:
             plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, seed=SEED, cfg=cfg)
             loss_fn = functools.partial(vocab_parallel_cross_entropy, group=plan.group)
-        engine = DataParallel(model, group=mesh.group("dp"), zero=0, precision="fp32",
+        engine = DataParallel(model, group=mesh.group("dp"), batch_group=mesh.group("dp"),
+                              zero=0, precision="fp32",
                               optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
         micro = packed_micro_batches(dp * M)
         mine = _mine(mesh, micro)

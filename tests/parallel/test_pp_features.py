@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import own_group
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.parallel.pipeline.lowering import lower_comm
@@ -32,7 +33,7 @@ def _runtime(name: str, v: int, m: int, *, checkpointing: str = "none"):
     schedule = build_schedule(name, pp=dist.get_world_size(), microbatches=m, virtual_stages=v)
     cfg = _model_cfg(n_layers=schedule.n_stages)
     local, _ = build_local_stages(cfg, schedule.stages_of(rank), n_stages=schedule.n_stages,
-                                  seed=SEED)
+                                  seed=SEED, tp_group=own_group())
     local.double()
     apply_activation_checkpointing(local, checkpointing)
     runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,

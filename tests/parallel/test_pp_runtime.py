@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.mesh import own_group
 from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
 from hpctrain.parallel.pipeline.lowering import lower_comm
@@ -50,7 +51,7 @@ def run_pipeline_and_compare(name: str, v: int, m: int, drop_w: bool = False) ->
         cfg = _model_cfg(n_layers=schedule.n_stages)
         if drop_w:
             schedule = _without_first_w(schedule)
-        local, _ = build_local_stages(cfg, schedule.stages_of(rank),
+        local, _ = build_local_stages(cfg, schedule.stages_of(rank), tp_group=own_group(),
                                       n_stages=schedule.n_stages, seed=SEED)
         local.double()
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,
@@ -109,7 +110,8 @@ def _batched_equals_unbatched(schedule: str):
 
     cfg, rank = PRESETS["debug"], dist.get_rank()
     s = build_schedule(schedule, pp=2, microbatches=4)
-    local, _ = build_local_stages(cfg, s.stages_of(rank), n_stages=s.n_stages, seed=0)
+    local, _ = build_local_stages(cfg, s.stages_of(rank), n_stages=s.n_stages, seed=0,
+                                  tp_group=own_group())
     gen = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 512, (2, 16), generator=gen),
             torch.randint(0, 512, (2, 16), generator=gen)) for _ in range(4)]

@@ -61,7 +61,8 @@ def tp_dp_zero_errors(zero: int, steps: int, *, sp: bool = False
     ref, ref_norms = _reference(cfg, steps, n=dims.dp * ACCUM)
     model = build_model(cfg, seed=SEED).double()
     plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, cfg=cfg, seed=SEED)
-    engine = DataParallel(model, group=mesh.group("dp"), zero=zero, precision="fp32",
+    engine = DataParallel(model, group=mesh.group("dp"), batch_group=mesh.group("dp"),
+                          zero=zero, precision="fp32",
                           optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
 
     def loss_fn(logits, targets):

@@ -11,7 +11,7 @@ def _unit(dtype: torch.dtype) -> FlatUnit:
     torch.manual_seed(0)
     named = [(f"p{i}", torch.nn.Parameter(torch.randn(*shape)))
              for i, shape in enumerate([(3, 5), (7,), (2, 2, 3)])]
-    return FlatUnit(0, named, dp=1, rank=0, zero=0, dtype=dtype)
+    return FlatUnit(0, named, dp=1, rank=0, zero=0, dtype=dtype, group=None)
 
 
 def _in_bucket(unit: FlatUnit, i: int) -> bool:

@@ -80,8 +80,8 @@ def test_torch_scaled_mm_equals_the_cpu_emulation_to_fp32_rounding(recipe):
 
     x, w, _, _ = _data()
     axis = -1 if recipe == "rowwise" else None
-    a = quantize(x.reshape(T, I), torch.float8_e4m3fn, dim=axis)
-    b = quantize(w, torch.float8_e4m3fn, dim=axis)
+    a = quantize(x.reshape(T, I), torch.float8_e4m3fn, dim=axis, group=None)
+    b = quantize(w, torch.float8_e4m3fn, dim=axis, group=None)
     bt = b.t()
     got = torch_scaled_mm(a, bt, out_dtype=torch.float32)
     _assert_fp32_rounding_apart(got, a.q.float() * a.inv, (b.q.float() * b.inv).t())

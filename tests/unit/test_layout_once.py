@@ -102,3 +102,41 @@ def test_hsdp_accepted_with_dp_shard_given_or_derived(tmp_path):
         cfg = make_config(["model=debug", "parallel.dp=4", "parallel.dp_replicate=2",
                            "cluster.procs_per_node=4", *extra], run_dir=tmp_path)
         assert (cfg.parallel.dims.dp_shard, cfg.parallel.dims.dp_replicate) == (2, 2)
+
+
+def test_auto_applies_the_expert_degree_it_chose(tmp_path):
+    """parallel=auto on a MoE model: the config each candidate runs has the candidate's ep (and
+    every other field), whatever the user's parallel.ep was."""
+    from hpctrain.plan.auto import with_layout
+    from hpctrain.plan.cluster import dgx_h100_cluster
+    from hpctrain.plan.search import evaluate_layout
+    from tests.conftest import make_config
+
+    cfg = make_config(["model=debug_moe", "parallel.dp=4", "parallel.ep=1",
+                       "cluster.procs_per_node=4"], run_dir=tmp_path)
+    for ep in (2, 4):
+        lay = Layout(dp=4, zero=1, ep=ep)
+        c = evaluate_layout(cfg.model, dgx_h100_cluster(), lay, "none", global_batch=16,
+                            micro_batch_size=4, seq_len=64, precision="fp32", dp_overlap=0.0,
+                            exact=False)
+        ran = with_layout(cfg, c)
+        assert ran.parallel.ep == ep and Layout.of(ran.parallel) == lay
+
+
+def test_no_group_parameter_defaults_to_none():
+    """Groups are passed, never defaulted: a `*group*` parameter with a None default once meant
+    four different things (one rank, the world, the engine's group, no pair)."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in (Path(__file__).resolve().parents[2] / "hpctrain").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults, strict=True))
+            pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d]
+            found += [f"{path}:{node.lineno} {node.name}({arg.arg}=None)" for arg, d in pairs
+                      if "group" in arg.arg and isinstance(d, ast.Constant) and d.value is None]
+    assert not found, found

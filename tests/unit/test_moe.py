@@ -138,7 +138,7 @@ def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
         model(rows[0][:, :-1])
         layer.router.weight[:2] += 2 * seen[0] / seen[0].norm()
     hook.remove()
-    engine = DataParallel(model, group=None, zero=0, precision="fp32",
+    engine = DataParallel(model, group=None, batch_group=None, zero=0, precision="fp32",
                           optim=OptimConfig(lr=1e-3, weight_decay=0.0))
     cvs = []
     for r in rows:

@@ -52,14 +52,14 @@ def test_batch_counts_real_tokens_documents_and_squared_lengths():
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
     targets = torch.ones(2, 8, dtype=torch.long)
     targets[0, 5:] = IGNORE_INDEX  # row 0: documents of 3 and 2, then 3 padding
-    counts = batch_counts([(targets, targets, Documents.from_ids(ids))])
+    counts = batch_counts([(targets, targets, Documents.from_ids(ids))], group=None)
     assert (counts.tokens, counts.slots, counts.documents) == (13, 16, 3)
     assert counts.attended == 3**2 + 2**2 + 8**2
     assert counts.padding_fraction == pytest.approx(3 / 16)
     cfg = PRESETS["debug"]
     assert counts.flops(cfg) == cfg.training_flops(tokens=13, attended=77)
     assert cfg.training_flops(tokens=8, attended=64) == 8 * cfg.flops_per_token(8)
-    unpacked = batch_counts([(targets, torch.ones(2, 8, dtype=torch.long))])
+    unpacked = batch_counts([(targets, torch.ones(2, 8, dtype=torch.long))], group=None)
     assert (unpacked.documents, unpacked.attended) == (2, 2 * 64)
 
 

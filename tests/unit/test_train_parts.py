@@ -26,8 +26,8 @@ def test_lr_warmup_then_cosine_to_min():
 
 def test_loss_scaler_skips_halves_and_grows():
     s = LossScaler(scale=1024.0, growth_interval=2)
-    assert s.found_overflow([torch.tensor([1.0, math.inf])])
-    assert not s.found_overflow([torch.tensor([1.0, 2.0])])
+    assert s.found_overflow([torch.tensor([1.0, math.inf])], group=None)
+    assert not s.found_overflow([torch.tensor([1.0, 2.0])], group=None)
     s.update(True)
     assert s.scale == 512.0
     s.update(False)

@@ -84,7 +84,8 @@ def test_runtime_lets_only_split_backward_stages_defer():
                       ffn_dim=16, max_seq_len=4, attention="eager")
     for name, want in (("1f1b", False), ("zb_h1", True)):
         schedule = build_schedule(name, pp=2, microbatches=2, virtual_stages=1)
-        local, _ = build_local_stages(cfg, schedule.stages_of(0), n_stages=2, seed=0)
+        local, _ = build_local_stages(cfg, schedule.stages_of(0), n_stages=2, seed=0,
+                                      tp_group=None)  # no torch.distributed here
         PipelineRuntime(lower_comm(schedule), local, pp_rank=0, peers=[0, 1],
                         act_shape=(1, 4, 8))
         assert [s.wgrad_queue.may_defer for s in local.stages.values()] == [want], name

@@ -172,9 +172,8 @@ class GradReducer:
             target.div_(divisor)
 
     def _group_of(self, unit: FlatUnit) -> tuple:
-        """(group, its size) a unit is reduced over: its own (experts) or the dp group."""
-        group = unit.group if unit.group is not None else self.group
-        return group, group_size(group)
+        """(group, its size) a unit is reduced over (the ZeRO group, or its experts')."""
+        return unit.group, group_size(unit.group)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -25,7 +25,8 @@ Hybrid sharding (HSDP): `group` is then the shard group (the dp×cp ranks of one
 are sharded, gathered and their norms summed there) and `replicas` the ranks holding the same
 shards in the other replicas; every reduced gradient is all-reduced over `replicas` before the
 update, so replicas step identically. `batch_group` (all dp×cp ranks) averages the loss and
-weighs the micro-batches. Without HSDP `replicas` is one rank and `batch_group` is `group`.
+weighs the micro-batches. Without HSDP `replicas` is None (or one rank) and `batch_group` is
+`group`.
 
 Precision: for bf16/fp16 the model's parameters are cast to 16 bits (compute copies) and fp32
 masters live in the optimizer shards; fp32 (and fp64) parameters are their own masters.
@@ -100,16 +101,16 @@ def _expert_norm(named, experts: ExpertGroups, norm_groups: tuple,
 
 
 class DataParallel:
-    def __init__(self, model: torch.nn.Module, *, group, zero: int, precision: str, optim,
-                 bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32", offload: str = "none",
-                 pre_reduce: Callable[[], None] | None = None, norm_groups: tuple = (),
-                 grad_replicas: dict[int, int] | None = None,
-                 experts: ExpertGroups | None = None, replicas=None, batch_group=None):
+    def __init__(self, model: torch.nn.Module, *, group, batch_group, zero: int, precision: str,
+                 optim, bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32",
+                 offload: str = "none", pre_reduce: Callable[[], None] | None = None,
+                 norm_groups: tuple = (), grad_replicas: dict[int, int] | None = None,
+                 experts: ExpertGroups | None = None, replicas=None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
         self.replicas = replicas  # HSDP (module docstring); None or one rank: no replicas
-        self.batch_group = group if batch_group is None else batch_group
+        self.batch_group = batch_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if experts is not None and zero == 0:  # see _expert_norm
             norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
@@ -122,7 +123,7 @@ class DataParallel:
         is_expert = (lambda p: id(p) in experts.params) if experts else (lambda p: False)
         kw = dict(zero=zero, bucket_bytes=bucket_mb * 2**20, elem=dtype.itemsize)
         dense = _groups(model, [(n, p) for n, p in named if not is_expert(p)], **kw)
-        self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype)
+        self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype, group=group)
                       for i, g in enumerate(dense)]
         block_units = {}  # ZeRO-3: block + 1 → its expert unit, gathered with the block
         if experts is not None:  # reduced and sharded over the ranks holding the same experts

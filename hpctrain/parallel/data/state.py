@@ -34,16 +34,11 @@ def _split(unit: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
                                          unit.shapes, strict=True)}
 
 
-def _group(unit: FlatUnit, engine):
-    """The group a unit is sharded over: its own (experts: hpctrain.parallel.moe) or dp."""
-    return engine.group if unit.group is None else unit.group
-
-
 def full_model_state(engine) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         out.update(_split(unit, _gather(unit, engine.optimizer.state[unit.index]["master"],
-                                        _group(unit, engine))))
+                                        unit.group)))
     return out
 
 
@@ -52,7 +47,7 @@ def full_optim_state(engine) -> dict:
     step = torch.tensor(float(engine.optimizer.steps))
     for unit in engine.units:
         parts = {k: _split(unit, _gather(unit, engine.optimizer.state[unit.index][k],
-                                         _group(unit, engine))) for k in OPTIM_KEYS}
+                                         unit.group)) for k in OPTIM_KEYS}
         for name in unit.names:
             state[name] = {"step": step.clone(), **{k: parts[k][name] for k in OPTIM_KEYS}}
     return {"state": state}
@@ -70,6 +65,6 @@ def refresh_from_masters(engine, *, steps: int) -> None:
         if master is not unit.shard:
             unit.shard.copy_(master)
         if unit.zero < 3:
-            unit.all_gather_params(_group(unit, engine))
+            unit.all_gather_params(unit.group)
         elif unit.gathered:
             unit.free_params()

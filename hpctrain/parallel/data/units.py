@@ -11,10 +11,10 @@ before use. Buffers (Ψᵤ = the unit's elements, S = its shard size, dp·S = Ψ
 
 For zero = 0 the layout has one shard (the whole unit): every rank updates everything.
 
-`group` / `grad_divisor`: a unit of expert parameters (hpctrain.parallel.moe) is reduced and
-sharded over its own group (the dp ranks holding the same experts) and its gradient sum is
-divided by the whole dp size, not that group's; None for both: the engine's dp group and its
-size.
+`group`: the ranks the unit is reduced and sharded over — the engine's (ZeRO) group, or for
+expert parameters (hpctrain.parallel.moe) the ranks holding the same experts. `grad_divisor`:
+what the gradient sum is divided by (the whole dp size for experts); None: that group's size
+times the HSDP replicas (hpctrain.parallel.data.ddp).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class FlatUnit:
     def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]], *, dp: int,
-                 rank: int, zero: int, dtype: torch.dtype, group=None,
+                 rank: int, zero: int, dtype: torch.dtype, group: dist.ProcessGroup | None,
                  grad_divisor: int | None = None):
         self.index, self.zero, self.dtype = index, zero, dtype
         self.group, self.grad_divisor = group, grad_divisor

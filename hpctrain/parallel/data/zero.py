@@ -120,8 +120,7 @@ class ShardedAdamW:
             if state["master"] is not unit.shard:
                 unit.shard.copy_(state["master"])
             if unit.zero < 3:
-                works.append(unit.all_gather_params(
-                    self.group if unit.group is None else unit.group, async_op=True))
+                works.append(unit.all_gather_params(unit.group, async_op=True))
         for work in works:
             if work is not None:
                 work.wait()

@@ -56,7 +56,7 @@ class Zero3Params:
         for u in self.members.get(k, ()):
             unit = self.units[u]
             if not unit.gathered:
-                group = self.group if unit.group is None else unit.group
+                group = unit.group
                 self._works[u] = unit.gather_async(group)
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes())
 

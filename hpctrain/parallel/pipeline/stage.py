@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hpctrain.distributed.mesh import group_size
@@ -121,7 +122,7 @@ class LocalStages(nn.Module):
 
 
 def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
-                       tp_group=None, sp: bool = False
+                       tp_group: dist.ProcessGroup, sp: bool = False
                        ) -> tuple[LocalStages, TensorParallelPlan | None]:
     """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised, and
     the tensor-parallel plan that sharded them: with a `tp_group` of size > 1 each stage is
