@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.errors import MissingConfigException, OverrideParseException
 
-from hpctrain.config import Problem, _unknown, format_problems
+from hpctrain.config_build import Problem, format_problems, unknown_key
 from hpctrain.schema import SCHEMAS
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -119,7 +119,7 @@ def _unknown_key(dotted: str) -> Problem | str:
     if cls is None or not key or "." in key:
         return f"unknown key {dotted}: python -m hpctrain --help lists the groups"
     names = [f.name for f in dataclasses.fields(cls)]
-    return _unknown(group, key, names)
+    return unknown_key(group, key, names)
 
 
 def format_result(task: str, result: dict[str, Any]) -> str | None:

@@ -16,7 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from hpctrain.config import Config, collect, format_problems
+from hpctrain.config import Config, collect
+from hpctrain.config_build import format_problems
 from hpctrain.plan.auto import choose_layout, fit_problems
 from hpctrain.validate import problems_of, validate
 

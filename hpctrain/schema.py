@@ -23,7 +23,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from hpctrain.bench.config import BenchConfig
-from hpctrain.config import _GROUPS, TaskConfig, config_key
+from hpctrain.config import _GROUPS, TaskConfig
+from hpctrain.config_build import config_key
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
 from hpctrain.plan.task import PlanConfig
 from hpctrain.train.hf_export import ExportConfig

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from hpctrain.bench.config import check_bench as bench_problems
 from hpctrain.bench.task import needs_data
-from hpctrain.config import Config, Problem, format_problems
+from hpctrain.config import Config
+from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES

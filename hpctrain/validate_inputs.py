@@ -17,7 +17,8 @@ import math
 import os
 from pathlib import Path
 
-from hpctrain.config import Config, format_problems
+from hpctrain.config import Config
+from hpctrain.config_build import format_problems
 from hpctrain.data import prepare as prep
 from hpctrain.data.records import SUFFIXES, list_inputs
 from hpctrain.data.tokenizer import EXTRA

@@ -17,7 +17,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hpctrain.config import _GROUPS, Config, Problem, Task, choice_text, literal_choices
+from hpctrain.config import _GROUPS, Config, Task
+from hpctrain.config_build import Problem, choice_text, literal_choices
 from hpctrain.ops.attention import ATTENTION_BACKENDS
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 

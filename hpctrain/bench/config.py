@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hpctrain.config import build
+from hpctrain.config_build import build
 from hpctrain.distributed.device import resolve_device_type
 
 Bench = Literal["comm", "p2p", "gemm", "train"]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config, build
+from hpctrain.config import Config
+from hpctrain.config_build import build
 from hpctrain.metrics.devices import DEVICES, lookup_device
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.plan.bubble import in_flight_microbatches

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpctrain.config import build
+from hpctrain.config_build import build
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.hf_config import hf_config, hf_weight_name
 from hpctrain.train import ckpt_catalog as catalog

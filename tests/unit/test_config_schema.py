@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config import _GROUPS, build
+from hpctrain.config import _GROUPS
+from hpctrain.config_build import build
 from hpctrain.schema import SCHEMAS, defaults_of
 from hpctrain.validate_keys import REGISTRY_CHOICES, literal_table
 from tests.conftest import CONF, compose

@@ -20,6 +20,8 @@ PROBE = r"""
 import importlib, logging, os, pkgutil, signal
 import matplotlib
 import torch
+import torch._dynamo  # torch's own import sets TORCHINDUCTOR_CACHE_DIR (cache_dir_utils); an
+# earlier test in the same pytest process used to hide that from this probe
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -48,7 +50,8 @@ for _ in range(2):  # what the entry point does, twice: idempotent
     schema.register()
     resolvers.register()
 assert OmegaConf.has_resolver("hpctrain.nodes")
-cfg = OmegaConf.create({"n": "${hpctrain.nodes:4,2,1,4}"})
+cfg = OmegaConf.create({"parallel": {"dp": 4, "tp": 2, "pp": 1, "cp": 1},
+                        "n": "${hpctrain.nodes:${parallel},4}"})
 assert cfg.n == 2, cfg.n
 assert "train.yaml" in ConfigStore.instance().repo["schema"]
 print("ok", len(names))

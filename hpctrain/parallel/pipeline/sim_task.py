@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config, build
+from hpctrain.config import Config
+from hpctrain.config_build import build
 from hpctrain.parallel.pipeline.actions import Schedule
 from hpctrain.parallel.pipeline.report import format_table, simulation_report
 from hpctrain.parallel.pipeline.schedules import build_schedule
