@@ -44,24 +44,11 @@ def make_config(overrides: list[str] | None = None, *, run_dir: Path | str = "."
 
 
 _worlds: dict[int, World] = {}
-# Ranks of live worlds one pytest process keeps (each rank holds ~0.45 GB: torch and
-# hpctrain imported); starting a world beyond it closes the least recently started others. With
-# the suite's three workers (tests/run.sh) that bounds the worlds to ~11 GB of the 24.
-RANK_BUDGET = 8
-_started: list[World] = []
-
-
-def _make_room(world: World) -> None:
-    if world in _started:
-        _started.remove(world)
-    while _started and sum(w.size for w in _started if w.alive) + world.size > RANK_BUDGET:
-        _started.pop(0).close()
-    _started.append(world)
 
 
 def get_world(size: int) -> World:
     if size not in _worlds:
-        _worlds[size] = World(size, before_start=_make_room)
+        _worlds[size] = World(size)
     return _worlds[size]
 
 

@@ -79,19 +79,11 @@ def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outb
 
 
 class World:
-    def __init__(self, size: int, *, timeout_s: float = 60.0, before_start=None):
-        """`before_start(world)`: called before its ranks are (re)spawned (the session's
-        rank budget closes other worlds there)."""
-        self.size, self.timeout_s, self.before_start = size, timeout_s, before_start
+    def __init__(self, size: int, *, timeout_s: float = 60.0):
+        self.size, self.timeout_s = size, timeout_s
         self._procs: list = []
 
-    @property
-    def alive(self) -> bool:
-        return bool(self._procs)
-
     def _start(self) -> None:
-        if self.before_start is not None:
-            self.before_start(self)
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix=f"world{self.size}-")
         store = os.path.join(self._dir.name, "store")

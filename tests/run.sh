@@ -12,16 +12,4 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
-# Two phases. First every test but Slurm's on three pytest workers (pytest-xdist), each taking
-# whole files: most tests wait on their rank processes or a timeout more than they compute, so
-# the two cores stay busy (each worker keeps at most 8 ranks of persistent worlds alive:
-# tests/conftest.py). Then the Slurm tests alone: their jobs train against real time limits
-# and signals, which a loaded machine would make them miss. The slowest tests are listed.
-if [ $# -gt 0 ]; then
-  exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
-fi
-status=0
-python -m pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile \
-  --ignore=tests/slurm tests || status=$?
-python -m pytest -q -p no:cacheprovider --durations=10 tests/slurm || status=$?
-exit $status
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"

@@ -47,9 +47,11 @@ def _wait_training(proc, run_dir: Path, *, min_step: int = 3, limit_s: float = 6
         beats = [_beat(run_dir, r) for r in (0, 1)]
         if all(b and (b["step"] or 0) >= min_step for b in beats):
             return
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read()[-3000:])
         time.sleep(0.2)
-    raise AssertionError("the run did not start training")
+    os.killpg(proc.pid, signal.SIGKILL)  # a 100,000-step run must not outlive the test
+    raise AssertionError(f"the run did not start training within {limit_s} s")
 
 
 def _children() -> dict[int, int]:
