@@ -29,9 +29,17 @@ class DistEnv:
     source: str  # torchrun | slurm | single
 
 
+# Below Linux's default ephemeral range (ip_local_port_range 32768-60999): a port in that range
+# may already be the local end of some other process's outgoing connection (it happened: a sweep
+# point's rank 0 met EADDRINUSE on 33001 and its peer waited out cluster.timeout_s).
+PORT_BASE, PORT_SPAN = 10000, 22000
+
+
 def slurm_port(job_id: str) -> int:
-    """A port in [20000, 40000) that all tasks of one job derive identically."""
-    return 20000 + int(job_id) % 20000
+    """A port in [10000, 32000) that all tasks of one job derive identically from its id
+    (SLURM_JOB_ID, which Slurm gives each array task on its own), so concurrent jobs whose
+    masters share a node use different ports unless their ids are 22000 apart."""
+    return PORT_BASE + int(job_id) % PORT_SPAN
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -114,10 +122,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
                        "torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        job_id = env.get("SLURM_ARRAY_JOB_ID", env["SLURM_JOB_ID"])
-        if "SLURM_ARRAY_TASK_ID" in env:
-            job_id = str(int(job_id) * 1000 + int(env["SLURM_ARRAY_TASK_ID"]))
         return DistEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)),
                        int(env["SLURM_NTASKS"]), first_host(env["SLURM_JOB_NODELIST"]),
-                       slurm_port(job_id), "slurm")
+                       slurm_port(env["SLURM_JOB_ID"]), "slurm")
     return DistEnv(0, 0, 1, "127.0.0.1", 29500, "single")

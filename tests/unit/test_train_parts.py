@@ -58,7 +58,15 @@ def test_env_from_torchrun_and_slurm():
     sl = from_environ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
                        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08,10]"})
     assert (sl.rank, sl.local_rank, sl.world_size, sl.master_addr) == (5, 1, 8, "gpu07")
-    assert sl.master_port == slurm_port("4242") and 20000 <= sl.master_port < 40000
+    assert sl.master_port == slurm_port("4242") and 10000 <= sl.master_port < 32000
+    # array tasks: each has its own SLURM_JOB_ID, so two points of a sweep never share a port,
+    # and no port lies in Linux's default ephemeral range (32768-60999)
+    task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
+            "SLURM_ARRAY_JOB_ID": "73"}
+    ports = {from_environ({**task, "SLURM_JOB_ID": str(73 + i), "SLURM_ARRAY_TASK_ID": str(i)})
+             .master_port for i in range(100)}
+    assert len(ports) == 100 and max(ports) < 32768
+    assert {slurm_port(str(i)) for i in range(0, 10**6, 997)} <= set(range(10000, 32000))
     assert from_environ({}).source == "single"
 
 
