@@ -210,7 +210,7 @@ def _torch_io(cfg, run_dir: str, repeats: int) -> dict:
 
     model = to_nn_linear(build_model(cfg.model, seed=0))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

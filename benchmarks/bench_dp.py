@@ -174,7 +174,7 @@ def fsdp2_engine(args, *, replicas: int = 1) -> Engine:
     mesh = (init_device_mesh("cpu", (world,)) if replicas == 1 else
             init_device_mesh("cpu", (replicas, world // replicas),
                              mesh_dim_names=("replicate", "shard")))
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())

@@ -3,7 +3,7 @@
 Part 1, the real model: the same stages (same seed, same layer split, the torch side on an
 nn.Linear copy) and the same microbatches, run as
   hpctrain 1f1b / interleaved_1f1b (v=2) / zbv  (PipelineRuntime on the lowered schedule)
-  torch    Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble  (PipelineStage)
+  torch    Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble  (torch PipelineStage)
 interleaved A B A B …, rotating the order each round. Step = schedule + update: hpctrain's is
 the trainer's (the DataParallel engine: global norm over pp, its fused AdamW on flat fp32
 shards), torch's is `torch.optim.AdamW` (default implementation; the same hyper-parameters and
@@ -44,7 +44,7 @@ from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.simulate import simulate
-from hpctrain.parallel.pipeline.stage import PipelineStage, build_local_stages
+from hpctrain.parallel.pipeline.stage import build_local_stages, stage_parts
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import lm_loss
 from hpctrain.train.optim import param_groups
@@ -65,7 +65,7 @@ def hp_variant(name: str, cfg, rank: int, args):
     local, _ = build_local_stages(cfg, sched.stages_of(rank), n_stages=sched.n_stages, seed=0,
                                   tp_group=own_group())
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=[0, 1],
-                              act_shape=(args.mb, args.seq, cfg.dim))
+                              act_shape=(args.mb, args.seq, cfg.dim), loss_fn=lm_loss)
     alone = own_group()  # dp=1
     engine = DataParallel(local, group=alone, batch_group=alone,
                           zero=0, precision="fp32", optim=OPTIM,
@@ -114,7 +114,7 @@ def torch_variant(name: str, cfg, rank: int, args):
     timeline, clock = [], {"start": 0.0}
     stages, params = [], []
     for s in ids:
-        module = to_nn_linear(PipelineStage(cfg, stage=s, n_stages=n_stages, seed=0))
+        module = to_nn_linear(stage_parts(cfg, [s], n_stages=n_stages, seed=0)[s])
         params += list(module.parameters())
         st = pipelining.PipelineStage(module, s, n_stages, torch.device("cpu"))
         _timed(st, timeline, clock)
@@ -220,7 +220,8 @@ def calibrated(rank: int, args) -> dict:
         local = SleepLocal({s: SleepStage(s, sched.n_stages, t, act_shape)
                             for s in sched.stages_of(rank)})
         runs[name] = (sched, t, PipelineRuntime(lower_comm(sched), local, pp_rank=rank,
-                                                peers=[0, 1], act_shape=act_shape))
+                                                peers=[0, 1], act_shape=act_shape,
+                                                loss_fn=lm_loss))
     mbs = [(torch.tensor([[i]]), torch.tensor([[i]])) for i in range(args.microbatches)]
     res = {name: {"bubble": [], "span": [], "timeline": []} for name in runs}
     for r in range(1 + args.sleep_steps):

@@ -30,6 +30,8 @@ import types
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.models.registry import family_of, model_blocks
+
 MODES = ("none", "selective", "full")
 
 
@@ -45,15 +47,16 @@ def recompute_in_backward(module: nn.Module) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint the blocks (`full`) or attention cores (`selective`) of `model.layers` (a
-    ModuleList, or the ModuleDict of a pipeline rank's stages) in place."""
+    """Checkpoint the blocks (`full`) or attention cores (`selective`) of `model` (the whole
+    model, a part, or a pipeline rank's stages) in place."""
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing={mode!r}: use none|selective|full")
     if mode == "none":
         return
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
+    core_name = family_of(model.cfg).attention_core
+    for block in model_blocks(model):
+        core = block.get_submodule(core_name)
         if mode == "full":
             recompute_in_backward(block)
-        elif getattr(block.attn.core, "selective_recompute", True):
-            recompute_in_backward(block.attn.core)
+        elif getattr(core, "selective_recompute", True):
+            recompute_in_backward(core)

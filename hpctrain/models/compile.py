@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import Documents
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,13 @@ def _prime_documents(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def _stage_modules(model: nn.Module) -> list[nn.Module]:
     """The modules that run a whole forward: a pipeline rank's stages, or the model."""
-    stages = getattr(model, "stages", None)
-    return list(stages.values()) if isinstance(stages, dict) else [model]
+    parts = getattr(model, "parts", None)
+    return list(parts.values()) if isinstance(parts, dict) else [model]
 
 
 def apply_compile(model: nn.Module, mode: str, *, attention: str) -> None:
-    """Compile the blocks of `model.layers` (a ModuleList, or the ModuleDict of a pipeline
-    rank's stages) or each whole forward, in place. Call after tensor parallelism and
+    """Compile the blocks of `model` (the whole model, or a pipeline rank's stages) or each
+    whole forward, in place. Call after tensor parallelism and
     activation checkpointing. `attention`: model.attention, whether blocks read the mask."""
     if mode not in MODES:
         raise ValueError(f"train.compile={mode!r}: use none|blocks|model")
@@ -79,8 +80,7 @@ def apply_compile(model: nn.Module, mode: str, *, attention: str) -> None:
         for module in whole:
             compile_forward(module)
         return
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
+    for block in model_blocks(model):
         compile_forward(block)
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.family import ModelFamily, Part
 from hpctrain.models.moe import MoE
 from hpctrain.ops.attention import get_attention
 from hpctrain.ops.documents import Documents
@@ -86,19 +87,22 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens_BL → logits_BLV. `tok_embeddings` and `output` may be None on pipeline stages
-    that do not hold them (then the stage maps hidden states to hidden states).
-    With `docs` (packed rows) attention stays inside each document and RoPE positions
+    """tokens_BL → logits_BLV; or a part of the model (`Part`: a range of layers, with or
+    without the embedding and the head), which is how a pipeline stage is built: without the
+    embedding it takes hidden states h_BLD, without the head it returns them. Blocks are keyed
+    by their global layer index (`layers.5...`), so every part's parameter names are the whole
+    model's. With `docs` (packed rows) attention stays inside each document and RoPE positions
     restart at each document; without, each row is one document."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, part: Part | None = None):
         super().__init__()
+        part = Part.whole(cfg) if part is None else part
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tied_embeddings:
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if part.embed else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in part.layers})
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if part.head else None
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if part.head else None
+        if cfg.tied_embeddings and part.embed and part.head:
             self.output.weight = self.tok_embeddings.weight
         self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -109,11 +113,13 @@ class Transformer(nn.Module):
             self._rope[device] = (cos.to(device), sin.to(device))
         return self._rope[device]
 
-    def forward(self, tokens_BL: torch.Tensor, *, docs: Documents | None = None) -> torch.Tensor:
-        h_BLD = self.tok_embeddings(tokens_BL)
+    def forward(self, x: torch.Tensor, *, docs: Documents | None = None) -> torch.Tensor:
+        h_BLD = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         rope = block_rope(self.rope(h_BLD.device), docs)
-        for block in self.layers:
+        for block in self.layers.values():
             h_BLD = block(h_BLD, rope, docs)
+        if self.output is None:
+            return h_BLD
         return self.output(self.norm(h_BLD))
 
 
@@ -121,3 +127,19 @@ def block_rope(tables: Rope, docs: Documents | None) -> Rope:
     """The RoPE angles every block of one forward uses: by row index, or restarting at each
     document of `docs`."""
     return rope_at(tables, None if docs is None else docs.positions_BL)
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    build=Transformer,
+    blocks="layers", embedding="tok_embeddings", norm="norm", head="output",
+    attention_core="attn.core",
+    # Megatron's layout: heads split (wq/wk/wv column, wo row), SwiGLU w1/w3 column and w2 row;
+    # the norms before them are the column layers' shared entry; both ends vocab-parallel.
+    tp_block={"attn_norm": "entry_norm", "mlp_norm": "entry_norm",
+              "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
+              "mlp.w1": "column", "mlp.w3": "column", "attn.wo": "row", "mlp.w2": "row"},
+    tp_ends={"tok_embeddings": "vocab", "output": "column"},
+    tp_kv=("attn.wk", "attn.wv"),
+    block_mlp="mlp",
+)

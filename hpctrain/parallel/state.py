@@ -108,7 +108,7 @@ def _stage_of(model: nn.Module, stages: LocalStages | None) -> dict[int, int]:
         return {id(p): 0 for p in model.parameters()}
     out: dict[int, int] = {}
     for index in sorted(stages.stages, reverse=True):
-        out.update({id(p): index for p in stages.stages[index].parameters()})
+        out.update({id(p): index for p in stages.parts[index].parameters()})
     return out
 
 

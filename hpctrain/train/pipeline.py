@@ -36,54 +36,33 @@ import torch.distributed as dist
 
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh, group_size
-from hpctrain.models.checkpointing import apply_activation_checkpointing
-from hpctrain.models.compile import apply_compile
-from hpctrain.parallel.context.apply import apply_to_stages
-from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
-from hpctrain.parallel.fp8 import apply_fp8
-from hpctrain.parallel.moe import apply_expert_parallel
-from hpctrain.parallel.pipeline.actions import Action
+from hpctrain.parallel.pipeline.actions import Action, Schedule
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
-from hpctrain.parallel.pipeline.schedules import build_schedule
-from hpctrain.parallel.pipeline.stage import build_local_stages
+from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.parallel.pipeline.tied import TiedEmbeddings, build_tied
 from hpctrain.parallel.pipeline.timeline import draw_timeline
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import StepResult, allreduce_mean, loss_divisors
+from hpctrain.parallel.tensor import TensorParallelPlan
+from hpctrain.train.tensor_parallel import step_loss
 
 Timeline = list[tuple[float, float, Any]]
 
 
 class PipelineEngine:
-    """This rank's stages plus the runtime for its lowered action list."""
+    """The runtime for this rank's lowered action list over its finished stages (built by
+    `hpctrain.train.setup.build_rank_model` in the one order of every layout), the tied
+    embeddings across stages, and the pipeline's step, evaluation and timeline."""
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: Config, mesh: Mesh, local: LocalStages, schedule: Schedule, *,
+                 tp_plan: TensorParallelPlan | None):
         p, t = cfg.parallel, cfg.train
-        self.cfg, self.mesh = cfg, mesh
-        self.schedule = build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
-                                       virtual_stages=p.virtual_stages)
+        self.cfg, self.mesh, self.schedule, self.local = cfg, mesh, schedule, local
         self.pp_rank = mesh.coord("pp")
         self.peers = mesh.dims.group_ranks("pp", mesh.rank)
-        # The tp plan (None at tp = 1) goes into the ParallelState (hpctrain.train.setup).
-        self.local, self.tp_plan = build_local_stages(
-            cfg.model, self.schedule.stages_of(self.pp_rank), n_stages=self.schedule.n_stages,
-            seed=t.seed, tp_group=mesh.group("tp"), sp=p.sp)
-        # ep > 1: this rank's E/ep experts of its stages' MoE layers (the router losses are
-        # seeded per stage by the runtime); the engine gets the groups (hpctrain.train.setup)
-        self.experts = apply_expert_parallel(self.local, mesh)
-        if t.fp8:  # after tp (specs name its groups), before checkpointing wraps
-            apply_fp8(self.local, recipe=t.fp8_recipe, skip=t.fp8_skip)
-        self.local.to(mesh.device)
-        self.cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
-                                backend=cfg.model.attention)
-        # cp > 1: ring (or all-gather) attention, the rows' mean loss
-        apply_to_stages(self.local, self.cp_comm, transport=p.cp_comm)
-        # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
-        apply_activation_checkpointing(self.local, t.activation_checkpointing)
-        apply_compile(self.local, t.compile, attention=cfg.model.attention)  # after both
         s2r = self.schedule.stage_to_rank
         self.tied: TiedEmbeddings | None = None
         if cfg.model.tied_embeddings:
@@ -97,13 +76,14 @@ class PipelineEngine:
         self.runtime = PipelineRuntime(lower_comm(self.schedule), self.local,
                                        pp_rank=self.pp_rank, peers=self.peers,
                                        act_shape=self.act_shape, precision=t.precision,
+                                       loss_fn=step_loss(tp_plan),
                                        batched=dist.get_backend() == "nccl",
                                        timeout=mesh.timeout)
         self.last_timeline: Timeline = []
 
     @property
     def holds_loss(self) -> bool:
-        return self.schedule.n_stages - 1 in self.local.stages
+        return self.schedule.n_stages - 1 in self.local.parts
 
     def train_step(self, engine: DataParallel, micro_batches, *, scaler: LossScaler,
                    grad_clip: float) -> tuple[StepResult, dict[str, float]]:
@@ -155,7 +135,7 @@ class PipelineEngine:
         """ids of the parameters this rank holds as a copy of another rank's: the last stage's
         tied head when the first stage lives elsewhere (checkpoints write the first's)."""
         tied = self.tied
-        if tied is None or not tied.split or 0 in self.local.stages:
+        if tied is None or not tied.split or 0 in self.local.parts:
             return frozenset()
         return frozenset({id(tied.weight)})
 

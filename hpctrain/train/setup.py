@@ -1,20 +1,26 @@
 """Set-up of one rank: the model for this layout and its `ParallelState`, built once.
 
-Order matters and lives only here: build the model (or, with pp > 1, the pipeline's stages),
-shard its routed experts over ep, shard it over tp (which then sees the experts' final
-parameters, kept whole on every tp rank), make its linears FP8 (train.fp8), wrap it for
-activation checkpointing, compile it (train.compile), move it to the device, then build the
-data-parallel engine over the finished parameters (the engine flattens them; expert parameters
-get their own units over the ranks holding the same experts), and finally derive the shard spec
-from the plan, the stages and the engine
-(`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
+One order for every layout, and it lives only here (`build_rank_model`): build this rank's
+parts of the model (the whole model, or with pp > 1 its pipeline stages: the model's own
+modules for a range of layers, `hpctrain.models.family.Part`), shard the routed experts over ep,
+shard over tp (which then sees the experts' final parameters, kept whole on every tp rank), tie
+a stage's head to the embedding on the same rank, make the linears FP8 (train.fp8), move to the
+device, swap attention for the cp ring, wrap for activation checkpointing, compile
+(train.compile). Then `build_parallel_state` adds the pipeline runtime over the finished stages,
+the data-parallel engine over the finished parameters (the engine flattens them; expert
+parameters get their own units over the ranks holding the same experts), and derives the shard
+spec (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
 the result; nothing is attached to the model or the optimizer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch import nn
+
 from hpctrain.config import Config
-from hpctrain.distributed.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.models.compile import apply_compile
@@ -22,48 +28,75 @@ from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data import build_data_parallel
 from hpctrain.parallel.fp8 import apply_fp8
-from hpctrain.parallel.moe import apply_expert_parallel
+from hpctrain.parallel.moe import ExpertGroups, apply_expert_parallel
+from hpctrain.parallel.pipeline.actions import Schedule
+from hpctrain.parallel.pipeline.schedules import build_schedule
+from hpctrain.parallel.pipeline.stage import LocalStages, assemble_stages, stage_parts
+from hpctrain.parallel.pipeline.tp_stages import shard_parts
 from hpctrain.parallel.state import ParallelState, parallel_state
+from hpctrain.parallel.tensor import TensorParallelPlan
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.train.tensor_parallel import engine_axes, setup_tensor_parallel
+from hpctrain.train.tensor_parallel import engine_axes
 
 
-def build_parallel_state(cfg: Config, mesh: Mesh, *,
-                         pipeline: PipelineEngine | None = None) -> ParallelState:
-    """This rank's ParallelState for `cfg`. With pp > 1 pass the `PipelineEngine` (it builds
-    the stages, already tp-sharded and checkpointed); else the model is built here."""
-    if (pipeline is None) != (cfg.parallel.pp == 1):
-        raise ValueError(f"parallel.pp={cfg.parallel.pp} needs a pipeline engine exactly "
-                         "when pp > 1: build PipelineEngine(cfg, mesh) and pass it")
-    experts = None
-    if pipeline is not None:  # stages built, tp-sharded and given ring attention there
-        model, plan, cp_comm = pipeline.local, pipeline.tp_plan, pipeline.cp_comm
-        experts = pipeline.experts
-    else:
-        model = build_model(cfg.model, seed=cfg.train.seed)
-        experts = apply_expert_parallel(model, mesh)  # ep > 1: this rank's E/ep experts
-        plan = setup_tensor_parallel(model, cfg, mesh)
-        if cfg.train.fp8:  # after tp (specs name its groups), before checkpointing wraps
-            apply_fp8(model, recipe=cfg.train.fp8_recipe, skip=cfg.train.fp8_skip)
-        cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout,
-                           backend=cfg.model.attention)
-        # cp > 1: attention over the cp ring (or all-gathered key/value shards)
-        apply_context_parallel(model, cp_comm, transport=cfg.parallel.cp_comm)
-        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-        apply_compile(model, cfg.train.compile, attention=cfg.model.attention)
-        model.to(mesh.device)
+@dataclass
+class RankModel:
+    """This rank's finished model and what its set-up made: `module` is the whole model
+    (pp = 1) or the rank's `LocalStages` (then also `stages`)."""
+
+    module: nn.Module
+    tp_plan: TensorParallelPlan | None  # None: tp = 1
+    cp_comm: RingComm
+    experts: ExpertGroups | None  # None: no expert parallelism
+    stages: LocalStages | None
+
+
+def build_rank_model(cfg: Config, mesh: Mesh, *, schedule: Schedule | None) -> RankModel:
+    """This rank's model for `cfg`, every transform applied in the one order (module
+    docstring); `schedule` (pp > 1) says which stages the rank holds."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    parts = ({0: build_model(m, seed=t.seed)} if schedule is None else
+             stage_parts(m, schedule.stages_of(mesh.coord("pp")), n_stages=schedule.n_stages,
+                         seed=t.seed))
+    experts = apply_expert_parallel(nn.ModuleList(parts.values()), mesh)  # ep > 1: E/ep each
+    plan = (shard_parts(parts, group=mesh.group("tp"), sp=p.sp, cfg=m)
+            if group_size(mesh.group("tp")) > 1 else None)
+    stages = (assemble_stages(parts, n_stages=schedule.n_stages, cfg=m)  # ties the tp shards
+              if schedule is not None else None)
+    model = stages if stages is not None else parts[0]
+    if t.fp8:  # after tp (specs name its groups), before checkpointing wraps
+        apply_fp8(model, recipe=t.fp8_recipe, skip=t.fp8_skip)
+    model.to(mesh.device)
+    cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout, backend=m.attention)
+    apply_context_parallel(model, cp_comm, transport=p.cp_comm)  # cp > 1: the ring
+    # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
+    apply_activation_checkpointing(model, t.activation_checkpointing)
+    apply_compile(model, t.compile, attention=m.attention)  # after both
+    return RankModel(model, plan, cp_comm, experts, stages)
+
+
+def build_parallel_state(cfg: Config, mesh: Mesh) -> tuple[ParallelState, PipelineEngine | None]:
+    """This rank's ParallelState for `cfg`, and with pp > 1 the `PipelineEngine` that runs its
+    stages (None at pp = 1)."""
+    p = cfg.parallel
+    schedule = (build_schedule(p.schedule, pp=p.pp, microbatches=cfg.grad_accum,
+                               virtual_stages=p.virtual_stages) if p.pp > 1 else None)
+    built = build_rank_model(cfg, mesh, schedule=schedule)
+    pipeline = (PipelineEngine(cfg, mesh, built.stages, schedule, tp_plan=built.tp_plan)
+                if schedule is not None else None)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
     # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
     # bf16/fp16) live in the data-parallel engine (hpctrain/parallel/data), over the dp group
     # on this rank's tp shard / pipeline stages.
-    axes = engine_axes(model, plan, mesh)
+    axes = engine_axes(built.module, built.tp_plan, mesh)
     if pipeline is not None:  # + tied embeddings across stages
         axes = pipeline.engine_axes(axes)
-    if experts is not None:
-        axes["experts"] = experts
-    engine = build_data_parallel(model, cfg, mesh, **axes)
-    return parallel_state(model, mesh=mesh, engine=engine, tp_plan=plan,
-                          stages=pipeline.local if pipeline is not None else None,
-                          runtime=pipeline.runtime if pipeline is not None else None,
-                          cp_comm=cp_comm,
-                          copies=pipeline.copies() if pipeline is not None else frozenset())
+    if built.experts is not None:
+        axes["experts"] = built.experts
+    engine = build_data_parallel(built.module, cfg, mesh, **axes)
+    state = parallel_state(built.module, mesh=mesh, engine=engine, tp_plan=built.tp_plan,
+                           stages=built.stages,
+                           runtime=pipeline.runtime if pipeline is not None else None,
+                           cp_comm=built.cp_comm,
+                           copies=pipeline.copies() if pipeline is not None else frozenset())
+    return state, pipeline

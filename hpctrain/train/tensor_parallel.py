@@ -1,34 +1,42 @@
 """Trainer glue for tensor parallelism, kept apart so trainer.py and step.py change little.
 
-`setup_tensor_parallel` shards the freshly built model when parallel.tp > 1 (else returns
-None and the single-process path is untouched); `tp_step_hooks` gives the train and eval steps
-the vocab-parallel loss; `engine_axes` gives the data-parallel engine the replicated-gradient
-sync (before the dp reduction) and the clip norm over the unsharded model (and over pp). Every
-tp rank gets the same batch: the sampler shards by dp only.
+The model is sharded by `hpctrain.train.setup` (one order for every layout). `step_loss` is the
+step's loss (the vocab-parallel one under tp, for the plain step and the pipeline's last
+stage); `tp_step_hooks` gives it to the train and eval steps; `engine_axes` gives the
+data-parallel engine the replicated-gradient sync (before the dp reduction) and the clip norm
+over the unsharded model (and over pp). Every tp rank gets the same batch: the sampler shards by
+dp only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh, group_size
+from hpctrain.parallel.step import lm_loss
 from hpctrain.parallel.tensor import (
     TensorParallelPlan,
-    apply_tensor_parallel,
     sync_tp_grads,
     verify_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
 
 
-def setup_tensor_parallel(model: nn.Module, cfg: Config, mesh: Mesh) -> TensorParallelPlan | None:
-    if cfg.parallel.tp == 1:
-        return None
-    return apply_tensor_parallel(model, group=mesh.group("tp"), sp=cfg.parallel.sp,
-                                 seed=cfg.train.seed, cfg=cfg.model)
+def step_loss(plan: TensorParallelPlan | None) -> Callable[[torch.Tensor, torch.Tensor],
+                                                          torch.Tensor]:
+    """logits, targets → mean loss: the cross entropy, over the vocab shards under tp."""
+    if plan is None:
+        return lm_loss
+
+    def loss_fn(logits_BLv: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_BLv, targets_BL, group=plan.group,
+                                            counter=plan.counter)
+
+    return loss_fn
 
 
 def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str, Any]:
@@ -37,12 +45,7 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
     if plan is None:
         return {}
     verify_tensor_parallel(model, plan)
-
-    def loss_fn(logits_BLv, targets_BL):
-        return vocab_parallel_cross_entropy(logits_BLv, targets_BL, group=plan.group,
-                                            counter=plan.counter)
-
-    return {"loss_fn": loss_fn}
+    return {"loss_fn": step_loss(plan)}
 
 
 def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -> dict[str, Any]:

@@ -41,7 +41,6 @@ from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
 from hpctrain.train.phases import build_note, first_step_note
-from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.setup import build_parallel_state
 from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
 
@@ -63,9 +62,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         if mesh.is_logging_rank:
             log.info("%s", build_note(cfg, device_type=mesh.device.type))
-        self.pipeline = PipelineEngine(cfg, mesh) if cfg.parallel.pp > 1 else None
-        # Built once, passed to checkpointing and metrics (hpctrain.train.setup).
-        self.parallel = build_parallel_state(cfg, mesh, pipeline=self.pipeline)
+        # Built once, passed to checkpointing and metrics (hpctrain.train.setup); the pipeline
+        # engine runs the stages when pp > 1.
+        self.parallel, self.pipeline = build_parallel_state(cfg, mesh)
         self.model = self.parallel.model  # this rank's shard / stages, full model's names
         self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer

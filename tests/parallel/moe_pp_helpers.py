@@ -47,7 +47,7 @@ def pp_gradients(schedule: str, *, m: int = 4):
                                   tp_group=own_group())
     local.double()
     runtime = PipelineRuntime(lower_comm(sched), local, pp_rank=rank, peers=list(range(pp)),
-                              act_shape=(MICRO, SEQ, cfg.dim))
+                              act_shape=(MICRO, SEQ, cfg.dim), loss_fn=lm_loss)
     mbs = rank_micro_batches(0, dp=1, rank=0, accum=m, vocab=cfg.vocab_size)
     result = runtime.step(mbs)
     ref = build_model(cfg, seed=0).double()
@@ -68,8 +68,7 @@ def pp_gradients(schedule: str, *, m: int = 4):
 
 
 def _pipeline_run(schedule: str, *, dp: int, ep: int, pp: int):
-    """The trainer's own wiring (PipelineEngine + build_parallel_state) for this layout."""
-    from hpctrain.train.pipeline import PipelineEngine
+    """The trainer's own wiring (build_parallel_state: the state and its PipelineEngine)."""
     from hpctrain.train.setup import build_parallel_state
     from tests.conftest import make_config
 
@@ -83,8 +82,8 @@ def _pipeline_run(schedule: str, *, dp: int, ep: int, pp: int):
     cfg = dataclasses.replace(cfg, model=moe_config())  # the shared shape (aux, z, shared)
     mesh = build_mesh(ParallelDims(dp=dp, ep=ep, pp=pp), rank=dist.get_rank(),
                       device=torch.device("cpu"))
-    pipeline = PipelineEngine(cfg, mesh)
-    return cfg, mesh, pipeline, build_parallel_state(cfg, mesh, pipeline=pipeline)
+    state, pipeline = build_parallel_state(cfg, mesh)
+    return cfg, mesh, pipeline, state
 
 
 def ep_pp_trajectory(schedule: str, *, steps: int = 3, dp: int = 2, ep: int = 2, pp: int = 2):

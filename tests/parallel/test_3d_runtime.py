@@ -17,6 +17,7 @@ from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.step import allreduce_mean
 from hpctrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, sync_tp_grads
+from hpctrain.train.tensor_parallel import step_loss
 from tests.parallel.threed_reference import (
     MB,
     SEED,
@@ -42,7 +43,8 @@ def _build(dims: ParallelDims, name: str, m: int, *, sp: bool, kv: int):
     runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=mesh.coord("pp"),
                               peers=dims.group_ranks("pp", mesh.rank),
                               act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
-                                                        dim=cfg.dim, tp=dims.tp, sp=sp))
+                                                        dim=cfg.dim, tp=dims.tp, sp=sp),
+                              loss_fn=step_loss(plan))
     return mesh, schedule, cfg, local, plan, runtime
 
 
@@ -92,7 +94,7 @@ def _global_norm(params, *, mesh, replicas: dict[int, int]) -> float:
 def _assert_queues_attached(local) -> None:
     """Zero-bubble W deferral goes through the tp layers: each holds its stage's queue."""
     for stage in local.stages.values():
-        tp_layers = [m for m in stage.modules() if isinstance(m, TP_LAYERS)]
+        tp_layers = [m for m in stage.module.modules() if isinstance(m, TP_LAYERS)]
         assert tp_layers and all(m.wgrad_queue is stage.wgrad_queue for m in tp_layers)
 
 

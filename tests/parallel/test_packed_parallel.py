@@ -36,7 +36,7 @@ from hpctrain.parallel.tensor import (
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train.tensor_parallel import engine_axes
+from hpctrain.train.tensor_parallel import engine_axes, step_loss
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.threed_reference import expected_slice
 
@@ -130,13 +130,12 @@ def run_pipeline(dp: int, tp: int, pp: int, *, sp: bool, attention: str = "sdpa"
                                          n_stages=schedule.n_stages, seed=SEED,
                                          tp_group=mesh.group("tp"), sp=sp)
         local.double()
-        for stage in local.stages.values():
-            if stage.is_last and plan is None:  # fp64 (lm_loss casts to fp32)
-                stage.loss_fn = _ce64
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=mesh.coord("pp"),
                                   peers=dims.group_ranks("pp", mesh.rank),
                                   act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
-                                                            dim=cfg.dim, tp=tp, sp=sp))
+                                                            dim=cfg.dim, tp=tp, sp=sp),
+                                  # fp64 at tp = 1 (lm_loss casts to fp32)
+                                  loss_fn=step_loss(plan) if plan is not None else _ce64)
         micro = packed_micro_batches(dp * M)
         mine = _mine(mesh, micro)
         result = runtime.step(mine, divisors=_divisors(mesh, mine))

@@ -17,7 +17,6 @@ from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh, group_size
 from hpctrain.models import build_model
 from hpctrain.parallel.data.state import full_model_state
-from hpctrain.train.pipeline import PipelineEngine
 from hpctrain.train.setup import build_parallel_state
 from tests.conftest import make_config
 from tests.parallel.trainer_runs import BASE
@@ -35,8 +34,7 @@ def _spec_on_rank(overrides: list[str]) -> dict:
     p = cfg.parallel
     mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
                       device=torch.device("cpu"))
-    pipeline = PipelineEngine(cfg, mesh) if p.pp > 1 else None
-    state = build_parallel_state(cfg, mesh, pipeline=pipeline)
+    state, _ = build_parallel_state(cfg, mesh)
     reference = dict(build_model(cfg.model, seed=cfg.train.seed).named_parameters())
     values = full_model_state(state.engine)  # this rank's tp slices, whole over dp
     specs = {}

@@ -38,7 +38,7 @@ def _runtime(name: str, v: int, m: int, *, checkpointing: str = "none"):
     apply_activation_checkpointing(local, checkpointing)
     runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,
                               peers=list(range(dist.get_world_size())),
-                              act_shape=(MB, SEQ, cfg.dim))
+                              act_shape=(MB, SEQ, cfg.dim), loss_fn=lm_loss)
     return cfg, local, runtime, schedule.n_stages - 1 in schedule.stages_of(rank)
 
 

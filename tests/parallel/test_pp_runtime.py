@@ -55,7 +55,8 @@ def run_pipeline_and_compare(name: str, v: int, m: int, drop_w: bool = False) ->
                                       n_stages=schedule.n_stages, seed=SEED)
         local.double()
         runtime = PipelineRuntime(lower_comm(schedule), local, pp_rank=rank,
-                                  peers=list(range(pp)), act_shape=(MB, SEQ, cfg.dim))
+                                  peers=list(range(pp)), act_shape=(MB, SEQ, cfg.dim),
+                                  loss_fn=lm_loss)
         micro = _micro_batches(m, cfg.vocab_size)
         result = runtime.step(micro)
         ref_loss, ref_grads = _reference(cfg, micro)
@@ -120,7 +121,8 @@ def _batched_equals_unbatched(schedule: str):
         for p in local.parameters():
             p.grad = None
         rt = PipelineRuntime(lower_comm(s), local, pp_rank=rank, peers=[0, 1],
-                             act_shape=(2, 16, cfg.dim), batched=batched)
+                             act_shape=(2, 16, cfg.dim), batched=batched,
+                             loss_fn=lm_loss)
         res = rt.step(mbs)
         results.append((None if res.loss_sum is None else float(res.loss_sum),
                         [p.grad.clone() for p in local.parameters()]))

@@ -104,6 +104,6 @@ def test_verify_catches_unsharded_module():
     plan = apply_tensor_parallel(model, group=None, sp=False, cfg=cfg)
     apply_activation_checkpointing(model, "full")  # in-place recomputation keeps the names
     verify_tensor_parallel(model, plan)
-    model.layers[1].attn.wo = Linear(cfg.dim, cfg.dim)
+    model.layers["1"].attn.wo = Linear(cfg.dim, cfg.dim)
     with pytest.raises(RuntimeError, match="layers.1.attn.wo"):
         verify_tensor_parallel(model, plan)

@@ -123,7 +123,7 @@ def test_apply_fp8_skips_embedding_and_head():
     model = build_model(PRESETS["debug"], seed=0)
     done = apply_fp8(model, recipe="rowwise", skip=("tok_embeddings", "output"))
     assert model.output.fp8 is None and "output" not in done
-    assert model.layers[0].attn.wq.fp8 == Fp8Spec("rowwise")
+    assert model.layers["0"].attn.wq.fp8 == Fp8Spec("rowwise")
     assert len(done) == 7 * len(model.layers)  # wq wk wv wo w1 w2 w3
 
 

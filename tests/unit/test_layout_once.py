@@ -140,3 +140,44 @@ def test_no_group_parameter_defaults_to_none():
             found += [f"{path}:{node.lineno} {node.name}({arg.arg}=None)" for arg, d in pairs
                       if "group" in arg.arg and isinstance(d, ast.Constant) and d.value is None]
     assert not found, found
+
+
+def _module_names(preset: str) -> set[str]:
+    from hpctrain.models import PRESETS, build_model
+
+    model = build_model(PRESETS[preset], seed=0)
+    return {seg for n, _ in model.named_parameters() for seg in n.split(".")[:-1]
+            if not seg.isdigit()}
+
+
+def test_parallel_and_train_never_name_the_models_modules():
+    """The model is its own pipeline stage and its family declares its parts (#22 item 3):
+    no attribute access or name string in parallel/ or train/ spells one of the decoder's
+    module names (`x.tok_embeddings`, `"layers.0.attn.wq"`) except through the family; the
+    routed experts' own parameters (w1, w2, w3 of models.moe's experts) may be named by the
+    expert-parallel code that shards them. "norm" and "output" are common words: only as
+    strings. And no `llama` under parallel/ at all."""
+    import ast
+    from pathlib import Path
+
+    import hpctrain
+
+    names = _module_names("debug")
+    root = Path(hpctrain.__file__).parent
+    found = []
+    for package in ("parallel", "train"):
+        for path in sorted((root / package).rglob("*.py")):
+            allowed = {"w1", "w2", "w3"} if path.parent.name == "moe" else set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute):
+                    hit = node.attr in names - {"norm", "output"} - allowed and node.attr
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    head = node.value.split(".")[0]
+                    hit = " " not in node.value and head in names - allowed and node.value
+                else:
+                    hit = None
+                if hit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {hit}")
+            if package == "parallel" and "llama" in path.read_text().lower():
+                found.append(f"{path.relative_to(root)} names llama")
+    assert not found, found

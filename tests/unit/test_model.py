@@ -126,3 +126,37 @@ def test_linear_under_bf16_autocast_keeps_fp32_params():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_pipeline_stages_are_parts_of_the_model_itself(n_stages, tied):
+    """A stage is the model's own modules for its layers (models.family.Part), built and run
+    by the model's own code: the parts' parameters are the whole model's, name for name and
+    value for value (a tied head starts as the embedding), and chaining their forwards gives
+    the whole model's logits bit for bit."""
+    import dataclasses
+
+    from hpctrain.models import Part
+
+    cfg = dataclasses.replace(PRESETS["debug_moe"], tied_embeddings=tied)
+    whole = build_model(cfg, seed=3)
+    parts = [build_model(cfg, seed=3, part=Part.stage(s, n_stages=n_stages,
+                                                       n_layers=cfg.n_layers))
+             for s in range(n_stages)]
+    want = dict(whole.named_parameters())
+    got = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            name = "tok_embeddings.weight" if tied and name == "output.weight" else name
+            assert name not in got or torch.equal(got[name], p), name
+            got[name] = p
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    h = tokens
+    for part in parts:
+        h = part(h)
+    assert torch.equal(h, whole(tokens))
+    with pytest.raises(ValueError, match="not divisible by 3 pipeline stages"):
+        Part.stage(0, n_stages=3, n_layers=cfg.n_layers)

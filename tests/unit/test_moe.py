@@ -23,7 +23,7 @@ def test_param_count_matches_built_model(shared):
     cfg = moe_cfg(shared_experts=shared)
     model = build_model(cfg, seed=0)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
-    assert [isinstance(b.mlp, MoE) for b in model.layers] == [False, True, False, True]
+    assert [isinstance(b.mlp, MoE) for b in model.layers.values()] == [False, True, False, True]
 
 
 def test_active_flops_match_counted_flops():
@@ -86,7 +86,7 @@ def _reference(layer: MoE, x_TD: torch.Tensor) -> torch.Tensor:
 
 def test_layer_matches_per_token_reference_and_records_losses():
     cfg = moe_cfg(shared_experts=1)
-    layer = build_model(cfg, seed=0).layers[1].mlp.double()
+    layer = build_model(cfg, seed=0).layers["1"].mlp.double()
     x = torch.randn(2, 5, cfg.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     out = layer(x)
     assert torch.allclose(out.view(10, -1), _reference(layer, x.view(10, -1)), atol=1e-12)
@@ -132,7 +132,7 @@ def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
     model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, cfg.vocab_size, (8, 33), generator=g) for _ in range(steps)]
-    layer, seen = model.layers[1].mlp, []
+    layer, seen = model.layers["1"].mlp, []
     hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten(0, 1).mean(0)))
     with torch.no_grad():
         model(rows[0][:, :-1])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpctrain.models import PRESETS, build_model
+from hpctrain.models.llama import FAMILY as LLAMA
 from hpctrain.parallel.tensor.plan import kv_slot, tp_slice
 
 
@@ -16,10 +17,12 @@ def _reassembled(full: torch.Tensor, name: str, *, tp: int, n_kv_heads: int) -> 
     pieces: dict[int, torch.Tensor] = {}
     dim = None
     for r in range(tp):
-        s = tp_slice(name, tp=tp, tp_rank=r, kv=kv_slot(n_kv_heads, tp=tp, tp_rank=r))
+        s = tp_slice(name, family=LLAMA, tp=tp, tp_rank=r,
+                     kv=kv_slot(n_kv_heads, tp=tp, tp_rank=r))
         dim = s.dim
         local = full if s.dim is None else full.chunk(s.parts, s.dim)[s.index]
-        count = sum(tp_slice(name, tp=tp, tp_rank=q, kv=kv_slot(n_kv_heads, tp=tp, tp_rank=q))
+        count = sum(tp_slice(name, family=LLAMA, tp=tp, tp_rank=q,
+                             kv=kv_slot(n_kv_heads, tp=tp, tp_rank=q))
                     .index == s.index for q in range(tp))
         assert count == s.replicas, (name, r)  # replicas = ranks holding the same slice
         pieces[s.index] = local
@@ -36,12 +39,14 @@ def test_slices_of_every_parameter_reassemble_the_full_model(tp):
 
 def test_table_styles():
     def dim(name: str) -> int | None:
-        return tp_slice(name, tp=2, tp_rank=1).dim
+        return tp_slice(name, family=LLAMA, tp=2, tp_rank=1).dim
 
     assert dim("layers.3.attn.wq.weight") == 0 and dim("layers.3.mlp.w3.weight") == 0
     assert dim("layers.3.attn.wo.weight") == 1 and dim("layers.3.mlp.w2.weight") == 1
     assert dim("tok_embeddings.weight") == 0 and dim("output.weight") == 0
     assert dim("layers.3.attn_norm.weight") is None and dim("norm.weight") is None
-    assert tp_slice("layers.0.attn.wo.bias", tp=2, tp_rank=1).dim is None  # added once
-    wk = tp_slice("layers.0.attn.wk.weight", tp=4, tp_rank=3, kv=kv_slot(2, tp=4, tp_rank=3))
+    wo_bias = tp_slice("layers.0.attn.wo.bias", family=LLAMA, tp=2, tp_rank=1)
+    assert wo_bias.dim is None  # added once
+    wk = tp_slice("layers.0.attn.wk.weight", family=LLAMA, tp=4, tp_rank=3,
+                  kv=kv_slot(2, tp=4, tp_rank=3))
     assert (wk.dim, wk.index, wk.parts, wk.replicas) == (0, 1, 2, 2)

@@ -79,6 +79,7 @@ def test_runtime_lets_only_split_backward_stages_defer():
     from hpctrain.parallel.pipeline.runtime import PipelineRuntime
     from hpctrain.parallel.pipeline.schedules import build_schedule
     from hpctrain.parallel.pipeline.stage import build_local_stages
+    from hpctrain.parallel.step import lm_loss
 
     cfg = ModelConfig(name="debug", vocab_size=32, dim=8, n_layers=2, n_heads=2, n_kv_heads=1,
                       ffn_dim=16, max_seq_len=4, attention="eager")
@@ -87,7 +88,7 @@ def test_runtime_lets_only_split_backward_stages_defer():
         local, _ = build_local_stages(cfg, schedule.stages_of(0), n_stages=2, seed=0,
                                       tp_group=None)  # no torch.distributed here
         PipelineRuntime(lower_comm(schedule), local, pp_rank=0, peers=[0, 1],
-                        act_shape=(1, 4, 8))
+                        act_shape=(1, 4, 8), loss_fn=lm_loss)
         assert [s.wgrad_queue.may_defer for s in local.stages.values()] == [want], name
 
 

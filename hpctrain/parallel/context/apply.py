@@ -1,5 +1,6 @@
 """Context parallelism applied to a model from outside, by module name (like the tp plan):
-every `layers.<i>.attn.core` becomes a RingAttentionCore over the cp group. The rest of the
+every block's attention core (where its family declares it) becomes a RingAttentionCore over
+the cp group. The rest of the
 model runs unchanged on the zigzag shard: RoPE reads the shard's full-row positions from its
 ShardDocuments, and every other op is per token.
 """
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from hpctrain.models.registry import family_of, model_blocks
 from hpctrain.parallel.context.allgather import allgather_attention
 from hpctrain.parallel.context.ring import RingComm, ring_attention
 
 
 class RingAttentionCore(nn.Module):
-    """Drop-in for models.llama.AttentionCore under cp > 1 (no parameters)."""
+    """Drop-in for a block's attention core under cp > 1 (no parameters)."""
 
     # Keeps no score matrix: `selective` activation checkpointing leaves it alone rather
     # than rerun the ring (hpctrain.models.checkpointing).
@@ -32,20 +34,17 @@ class RingAttentionCore(nn.Module):
 
 def apply_context_parallel(model: nn.Module, comm: RingComm, *,
                            transport: str = "ring") -> nn.Module:
-    """Replace every attention core of `model` (in place) by ring attention over `comm`
-    (`transport` "ring", or "allgather": parallel.cp_comm); returns `model`. A cp group of
-    one rank leaves the model as it is."""
+    """Replace every block's attention core of `model` (the whole model, or a rank's pipeline
+    stages; its family says where the core is) by ring attention over `comm` (`transport`
+    "ring", or "allgather": parallel.cp_comm), in place; returns `model`. A cp group of one
+    rank leaves the model as it is. The last stage's loss stays the shard's own mean; the step
+    weights it by the shard's real tokens over the dp×cp group
+    (hpctrain.parallel.step.loss_divisors)."""
     if comm.size == 1:
         return model
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in blocks:  # a ModuleList (whole model) or ModuleDict (a rank's pipeline stages)
-        block.attn.core = RingAttentionCore(comm, backend=block.attn.core.backend,
-                                            transport=transport)
+    parent, _, attr = family_of(model.cfg).attention_core.rpartition(".")
+    for block in model_blocks(model):
+        owner = block.get_submodule(parent) if parent else block
+        core = getattr(owner, attr)
+        setattr(owner, attr, RingAttentionCore(comm, backend=core.backend, transport=transport))
     return model
-
-
-def apply_to_stages(local: nn.Module, comm: RingComm, *, transport: str = "ring") -> None:
-    """cp on a rank's pipeline stages (`LocalStages`): ring attention in every block. The
-    last stage's loss stays the shard's own mean; the step weights it by the shard's real
-    tokens over the dp×cp group (hpctrain.parallel.step.loss_divisors)."""
-    apply_context_parallel(local, comm, transport=transport)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
 from hpctrain.models.moe import take_router_loss
+from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
@@ -66,10 +67,11 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def _groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: float, elem: int):
     if zero < 3:
         return size_groups(list(reversed(named)), bucket_bytes=bucket_bytes, bytes_per_elem=elem)
-    block_of = {id(p): i for i, b in enumerate(model.layers) for p in b.parameters()}
+    blocks = model_blocks(model)
+    block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     groups = [[(n, p) for n, p in named if id(p) not in block_of]]
     groups += [[(n, p) for n, p in named if block_of.get(id(p)) == i]
-               for i in range(len(model.layers))]
+               for i in range(len(blocks))]
     return groups
 
 
@@ -80,9 +82,10 @@ def _expert_groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: fl
     if zero < 3:
         return [(None, g) for g in size_groups(list(reversed(named)), bucket_bytes=bucket_bytes,
                                                bytes_per_elem=elem)]
-    block_of = {id(p): i for i, b in enumerate(model.layers) for p in b.parameters()}
+    blocks = model_blocks(model)
+    block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
     groups = [(i, [(n, p) for n, p in named if block_of.get(id(p)) == i])
-              for i in range(len(model.layers))]
+              for i in range(len(blocks))]
     return [(i, g) for i, g in groups if g]
 
 

@@ -2,7 +2,7 @@
 
 Units: unit 0 holds the parameters outside the transformer blocks (embeddings, final norm,
 output); it is gathered when the model's forward starts and freed when its gradients have
-been reduced (or after a no-grad forward). Unit i+1 is block i of `model.layers`:
+been reduced (or after a no-grad forward). Unit i+1 is the model's block i (its family's):
 
   forward   pre-hook: wait for / gather block i, prefetch block i+1; post-hook: free block i
             and hook the block's output so that ...
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.models.registry import model_blocks
 from hpctrain.parallel.data.units import FlatUnit
 
 
@@ -32,10 +33,10 @@ class Zero3Params:
         parameters (expert parallelism: sharded over their own group, gathered and freed
         with the block)."""
         self.units, self.group = units, group
-        self.members = {k: [k] for k in range(len(model.layers) + 1)}
+        self.blocks = model_blocks(model)
+        self.members = {k: [k] for k in range(len(self.blocks) + 1)}
         for k, extra in (experts or {}).items():
             self.members[k].append(extra)
-        self.blocks = list(model.layers)
         self._works: dict[int, dist.Work | None] = {}
         self._in_backward: set[int] = set()
         self.shard_bytes = sum(u.shard.nbytes for u in units)

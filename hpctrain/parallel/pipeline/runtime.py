@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,8 +99,9 @@ class PipelineRuntime:
     """
 
     def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
-                 peers: Sequence[int], act_shape: tuple[int, int, int], precision: str = "fp32",
-                 loss_multiplier: float = 1.0, batched: bool = False,
+                 peers: Sequence[int], act_shape: tuple[int, int, int],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 precision: str = "fp32", loss_multiplier: float = 1.0, batched: bool = False,
                  timeout: datetime.timedelta = DEFAULT_TIMEOUT):
         self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
         self.timeout = timeout  # every send/receive wait gives up after it
@@ -108,13 +109,14 @@ class PipelineRuntime:
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
         self.loss_multiplier = loss_multiplier
+        self.loss_fn = loss_fn  # the last stage's: logits, targets → mean loss
         self._param = next(local.parameters())
         self.device = self._param.device
         self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
         self._eval_programs: dict[int, _Program] = {}  # n microbatches → its F path
-        self._moe = {s: moe_layers(stage) for s, stage in local.stages.items()}
+        self._moe = {s: moe_layers(stage.module) for s, stage in local.stages.items()}
         # Only a schedule with split backwards (B, later W) defers weight gradients; the other
         # stages' layers take torch's cheaper linear (hpctrain.ops.linear.linear).
         for s, stage in local.stages.items():
@@ -217,7 +219,9 @@ class PipelineRuntime:
         else:
             x = st.mail.pop(("F", a.stage, a.microbatch)).requires_grad_()
         with autocast(self.precision, self.device):
-            out = stage(x, targets_BL.to(self.device) if stage.is_last else None, docs=docs)
+            out = stage.module(x, docs=docs)
+            if stage.is_last:
+                out = self.loss_fn(out, targets_BL.to(self.device))
         if stage.is_last:
             loss = out / st.divisors[a.microbatch]
             st.loss_sum = loss.detach().double() + (0 if st.loss_sum is None else st.loss_sum)

@@ -1,136 +1,118 @@
-"""Pipeline stages: the Transformer cut by layer, with the full model's parameter names.
+"""Pipeline stages: the model's own parts, one per stage, under the whole model's names.
 
-Stage s of S holds layers [s·L/S, (s+1)·L/S); stage 0 also holds `tok_embeddings`, stage S-1 the
-final `norm`, the `output` head and the loss (with tied embeddings the head is a copy of the
-embedding, or the same Parameter on one rank: hpctrain.parallel.pipeline.tied). Blocks are the
-Transformer's own `Block`s, kept in a ModuleDict keyed by their global index, so a stage's
-parameter names (`layers.5.attn.wq.weight`) and — through the name-keyed init — its values equal
-the single-process model's. Checkpoints and comparisons therefore line up across pipeline
-layouts.
-
-Legend: B micro-batch, L sequence, D model dim, V vocabulary.
+Stage s of S is the part of the model its family builds for layers [s·L/S, (s+1)·L/S)
+(`hpctrain.models.family.Part.stage`): stage 0 with the embedding, stage S-1 with the final norm
+and the head, each run by the model's own forward. Nothing here names a module: the family
+says where the blocks and the two ends live. Blocks are keyed by their global index, so a
+stage's parameter names (e.g. `layers.5.attn.wq.weight`) and, through the name-keyed
+init, its values equal the single-process model's; checkpoints and comparisons line up across
+pipeline layouts. The loss is not part of a stage: the runtime applies the step's loss function
+(the vocab-parallel one under tp) to the last stage's logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from hpctrain.distributed.mesh import group_size
+from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.init import full_init, init_weights
-from hpctrain.models.llama import Block, block_rope
-from hpctrain.ops.documents import Documents
-from hpctrain.ops.linear import Linear, WeightGradQueue
-from hpctrain.ops.norms import RMSNorm
-from hpctrain.ops.rope import rope_tables
-from hpctrain.parallel.pipeline.tied import HeadAlias, tie_local_stages
-from hpctrain.parallel.pipeline.tp_stages import shard_stages
-from hpctrain.parallel.step import lm_loss
+from hpctrain.models.family import ModelFamily, Part
+from hpctrain.models.registry import family_of
+from hpctrain.ops.linear import WeightGradQueue
+from hpctrain.parallel.pipeline.tied import HeadAlias
+from hpctrain.parallel.pipeline.tp_stages import shard_parts
 from hpctrain.parallel.tensor.plan import TensorParallelPlan
 
 
-def stage_layers(stage: int, *, n_stages: int, n_layers: int) -> range:
-    """Layer indices of `stage`: [s·L/S, (s+1)·L/S)."""
-    if n_layers % n_stages:
-        raise ValueError(f"model.n_layers={n_layers} is not divisible by {n_stages} pipeline "
-                         f"stages (pp × virtual_stages): choose a divisor of the layer count")
-    per = n_layers // n_stages
-    return range(stage * per, (stage + 1) * per)
+@dataclass
+class Stage:
+    """One stage this rank runs: its `module` (the model part) and its weight-gradient queue,
+    which every layer of the module that can defer its weight gradient points at (the
+    zero-bubble schedules run those gradients in their W actions)."""
 
-
-class PipelineStage(nn.Module):
-    """tokens_BL (stage 0) or h_BLD → h_BLD, or on the last stage → mean loss over tokens.
-
-    Owns a `WeightGradQueue` attached to every submodule with a `wgrad_queue` attribute
-    (hpctrain Linears, and the tensor-parallel layers after `attach_wgrad_queue`), so the
-    runtime can defer the weight gradients of a B action and run them in the matching W action.
-    `loss_fn(logits, targets)` is the last stage's loss (the vocab-parallel one under tp).
-    """
-
-    def __init__(self, cfg: ModelConfig, *, stage: int, n_stages: int, seed: int):
-        super().__init__()
-        self.cfg, self.stage, self.n_stages = cfg, stage, n_stages
-        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        idx = stage_layers(stage, n_stages=n_stages, n_layers=cfg.n_layers)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in idx})
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if self.is_last else None
-        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
-        init_weights(self, cfg, seed=seed)
-        if cfg.tied_embeddings and self.is_last:  # a copy of E (hpctrain...pipeline.tied)
-            e = full_init("tok_embeddings.weight", self.output.weight.shape, cfg, seed=seed)
-            with torch.no_grad():
-                self.output.weight.copy_(e)
-        self.wgrad_queue = WeightGradQueue()
-        self.attach_wgrad_queue()
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    index: int
+    module: nn.Module
+    is_first: bool
+    is_last: bool
+    wgrad_queue: WeightGradQueue = field(default_factory=WeightGradQueue)
 
     def attach_wgrad_queue(self) -> None:
-        """Point every layer that can defer its weight gradient at this stage's queue; call it
-        again after replacing modules (e.g. by their tensor-parallel shards)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "wgrad_queue"):
+        """Point the module's deferrable layers at this stage's queue; call once the module's
+        layers are final (after tensor parallelism replaced them)."""
+        for module in self.module.modules():
+            if hasattr(module, "wgrad_queue"):
                 module.wgrad_queue = self.wgrad_queue
-
-    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].device != device:
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len,
-                                   theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
-            self._rope = (cos.to(device), sin.to(device))
-        return self._rope
-
-    def forward(self, x: torch.Tensor, targets_BL: torch.Tensor | None = None, *,
-                docs: Documents | None = None) -> torch.Tensor:
-        """`docs`: the micro-batch's document boundaries, which every stage reads from the
-        micro-batch itself (all stages of a replica read the same one), so they need no p2p."""
-        h_BLD = self.tok_embeddings(x) if self.is_first else x
-        rope = block_rope(self.rope(h_BLD.device), docs)
-        for block in self.layers.values():
-            h_BLD = block(h_BLD, rope, docs)
-        if not self.is_last:
-            return h_BLD
-        logits_BLV = self.output(self.norm(h_BLD))
-        if targets_BL is None:
-            return logits_BLV
-        return self.loss_fn(logits_BLV, targets_BL)
 
 
 class LocalStages(nn.Module):
-    """The stages one rank holds, exposed under the full model's names.
+    """The stages one rank holds, exposed under the whole model's names.
 
-    Registers the stages' `tok_embeddings`, `layers.<i>`, `norm` and `output` directly (the same
-    module objects), so `named_parameters`, `state_dict` and DCP checkpoints use the
-    single-process names; `stages` maps stage index → PipelineStage for the runtime.
+    Registers the parts' embedding, blocks, final norm and head directly (the same module
+    objects, under the family's names), so `named_parameters`, `state_dict` and DCP checkpoints
+    use the single-process names; `parts` maps stage index → module (plain dict: not
+    registered twice) and `stages` stage index → `Stage` for the runtime. Build it once the
+    parts' modules are final (after tensor parallelism and tying).
     """
 
-    def __init__(self, stages: dict[int, PipelineStage]):
+    def __init__(self, parts: dict[int, nn.Module], *, n_stages: int, cfg):
         super().__init__()
-        self.stages = dict(sorted(stages.items()))  # a plain dict: not registered twice
-        self.layers = nn.ModuleDict()
-        for st in self.stages.values():
-            if st.is_last and st.cfg.tied_embeddings and 0 not in self.stages:
-                self.add_module("tok_embeddings", HeadAlias(st.output.weight))  # one name for E
-            for name in ("tok_embeddings", "norm", "output"):
-                if getattr(st, name) is not None:
-                    self.add_module(name, getattr(st, name))
-            self.layers.update(st.layers)
+        self.cfg = cfg
+        family = family_of(cfg)
+        self.parts = dict(sorted(parts.items()))
+        self.stages = {s: Stage(s, part, is_first=s == 0, is_last=s == n_stages - 1)
+                       for s, part in self.parts.items()}
+        for stage in self.stages.values():
+            stage.attach_wgrad_queue()
+        self.add_module(family.blocks, nn.ModuleDict())
+        blocks = getattr(self, family.blocks)
+        last = self.parts.get(n_stages - 1)
+        if last is not None and cfg.tied_embeddings and 0 not in self.parts:
+            # one name for E: the head's copy is saved as the embedding (parallel.pipeline.tied)
+            self.add_module(family.embedding, HeadAlias(getattr(last, family.head).weight))
+        for part in self.parts.values():
+            for name in (family.embedding, family.norm, family.head):
+                if getattr(part, name, None) is not None:
+                    self.add_module(name, getattr(part, name))
+            blocks.update(getattr(part, family.blocks))
+
+
+def stage_parts(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int
+                ) -> dict[int, nn.Module]:
+    """The model's parts for `stage_ids` (stage index → part), initialised as the whole model."""
+    return {s: build_model(cfg, seed=seed,
+                           part=Part.stage(s, n_stages=n_stages, n_layers=cfg.n_layers))
+            for s in stage_ids}
+
+
+def assemble_stages(parts: dict[int, nn.Module], *, n_stages: int,
+                    cfg: ModelConfig) -> LocalStages:
+    """Tie a head to the embedding held on the same rank, then expose the parts as one module
+    under the whole model's names. Call once the parts' modules are final (after tp)."""
+    if cfg.tied_embeddings:
+        tie_parts(parts, n_stages=n_stages, family=family_of(cfg))
+    return LocalStages(parts, n_stages=n_stages, cfg=cfg)
 
 
 def build_local_stages(cfg: ModelConfig, stage_ids, *, n_stages: int, seed: int,
                        tp_group: dist.ProcessGroup, sp: bool = False
                        ) -> tuple[LocalStages, TensorParallelPlan | None]:
-    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), initialised, and
-    the tensor-parallel plan that sharded them: with a `tp_group` of size > 1 each stage is
-    replaced by its tp shard (`hpctrain.parallel.pipeline.tp_stages`), else the plan is None.
-    The caller keeps the plan (it is not stored on the modules)."""
-    stages = {s: PipelineStage(cfg, stage=s, n_stages=n_stages, seed=seed) for s in stage_ids}
-    plan = None
-    if group_size(tp_group) > 1:
-        plan = shard_stages(stages, group=tp_group, sp=sp, cfg=cfg)
-    tie_local_stages(stages, n_stages=n_stages)  # after sharding: tie the shards
-    return LocalStages(stages), plan
+    """This rank's stages (`stage_ids`, from `Schedule.stages_of(pp_rank)`), tp-sharded over
+    `tp_group` when it has more than one rank, and the plan that sharded them (None at tp = 1):
+    the first steps of `hpctrain.train.setup.build_rank_model`, in its order, for runs of the
+    runtime without the trainer (no ep, fp8, cp, checkpointing or compile)."""
+    parts = stage_parts(cfg, stage_ids, n_stages=n_stages, seed=seed)
+    plan = (shard_parts(parts, group=tp_group, sp=sp, cfg=cfg)
+            if group_size(tp_group) > 1 else None)
+    return assemble_stages(parts, n_stages=n_stages, cfg=cfg), plan
+
+
+def tie_parts(parts: dict[int, nn.Module], *, n_stages: int, family: ModelFamily) -> None:
+    """First and last stage on this rank with tied embeddings: the head uses the embedding's
+    Parameter, exactly as the single-process model (after tensor parallelism: the shards)."""
+    first, last = parts.get(0), parts.get(n_stages - 1)
+    if first is not None and last is not None and first is not last:
+        getattr(last, family.head).weight = getattr(first, family.embedding).weight

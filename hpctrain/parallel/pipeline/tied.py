@@ -1,11 +1,11 @@
 """Tied input embedding and output head across pipeline stages.
 
 With `model.tied_embeddings` the single process has one matrix E (V × D, or its vocab shard
-under tp) used by `tok_embeddings` and by `output`. In a pipeline the first stage holds the
-embedding and the last stage the head:
+under tp) used by the token embedding and by the output head. In a pipeline the first stage
+holds the embedding and the last stage the head:
 
 - same rank (zbv puts stages 0 and S-1 on pp rank 0): one Parameter, exactly as the single
-  process (`tie_local_stages`); nothing to communicate.
+  process (`stage.tie_parts`); nothing to communicate.
 - different ranks: each holds a copy of E with the same initial value (the head is initialised
   from the embedding's name); after the schedule, `TiedEmbeddings.sum_grads` all-reduces the
   copy's gradient over the group {pp rank 0, last pp rank} of this rank's dp/tp coordinate, so
@@ -13,7 +13,7 @@ embedding and the last stage the head:
   The clip norm counts E once (`replicas`: the copy is held by 2 ranks of the pp group).
 
 Checkpoints keep E once under the single process's name: the last stage's copy is registered
-in `LocalStages` as `tok_embeddings.weight` too (`head_alias`), so named parameters, DCP keys and
+in `LocalStages` under the embedding's name too (`HeadAlias`), so named parameters, DCP keys and
 the optimizer's names are the pp=1 model's and a checkpoint resumes at any pp.
 """
 
@@ -25,17 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.distributed.dims import ParallelDims
-
-
-def tie_local_stages(stages: dict, *, n_stages: int) -> None:
-    """First and last stage on this rank: the head uses the embedding's Parameter."""
-    first, last = stages.get(0), stages.get(n_stages - 1)
-    if first is not None and last is not None and first.cfg.tied_embeddings:
-        last.output.weight = first.tok_embeddings.weight
+from hpctrain.models.registry import family_of
 
 
 class HeadAlias(nn.Module):
-    """Registers the last stage's head weight under the name `tok_embeddings.weight` on a rank
+    """Registers the last stage's head weight under the embedding's name on a rank
     without the first stage (no forward: the head module itself computes)."""
 
     def __init__(self, weight: nn.Parameter):
@@ -85,10 +79,10 @@ def build_tied(local, *, dims: ParallelDims, rank: int, n_stages: int, pp_ranks_
     `pp_ranks_apart`: the first and last stage live on different pp ranks (not zbv); then the
     pair groups are created (on every rank, collectively)."""
     group = tied_group(dims, rank, timeout_s=timeout_s) if pp_ranks_apart else None
-    stages = local.stages
-    if 0 in stages:
-        return TiedEmbeddings(stages[0].tok_embeddings.weight, group=group)
-    if n_stages - 1 in stages:
-        return TiedEmbeddings(stages[n_stages - 1].output.weight, group=group)
+    family, parts = family_of(local.cfg), local.parts
+    if 0 in parts:
+        return TiedEmbeddings(getattr(parts[0], family.embedding).weight, group=group)
+    if n_stages - 1 in parts:
+        return TiedEmbeddings(getattr(parts[n_stages - 1], family.head).weight, group=group)
     return None
 

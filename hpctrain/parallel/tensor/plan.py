@@ -1,11 +1,13 @@
-"""Turn a built single-process Transformer into this rank's tensor-parallel shard, in place.
+"""Turn a built model (or a part of it: a pipeline stage) into this rank's tensor-parallel
+shard, in place, following its family's plan (`hpctrain.models.family`): a table of module
+names to styles. The decoder's plan splits the attention heads (wq/wk/wv column-parallel, wo
+row-parallel) and the SwiGLU (w1/w3 column, w2 row), with both ends vocab-parallel.
 
 Legend: N query heads, K kv heads, p = tp degree, V vocabulary.
-Per block: attention heads are split (wq/wk/wv column-parallel, wo row-parallel); when K < p
-(and p % K == 0) each kv head is replicated on the p/K ranks whose query heads use it; SwiGLU
-w1/w3 are column-parallel and w2 row-parallel. The embedding and the output head are
+The key/value projections split by kv head; when K < p (and p % K == 0) each kv head is
+replicated on the p/K ranks whose query heads use it. The embedding and the output head are
 vocab-parallel, so the logits stay vocab-sharded and go to the vocab-parallel loss.
-The block norms become `ParallelEntryRMSNorm` so the column layers after a norm share one entry
+Entry norms become `ParallelEntryRMSNorm` so the column layers after a norm share one entry
 collective: f (all-reduce in backward) without sp, an all-gather along the sequence with sp.
 With sp the residual stream, norms and embedding output are sequence-sharded (B, L/p, D).
 
@@ -17,14 +19,15 @@ the corresponding slice of the single-process model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.family import ModelFamily, Style
 from hpctrain.models.init import full_init
 from hpctrain.models.moe import MoE, moe_layers
+from hpctrain.models.registry import family_of
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size
 from hpctrain.parallel.tensor.layers import (
@@ -33,19 +36,6 @@ from hpctrain.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-
-Style = Literal["column", "row", "vocab", "entry_norm"]
-
-# The layout, as a table of module names to styles (one readable place; the per-parameter
-# shard spec, hpctrain.parallel.state, is derived from it). Names inside each block:
-BLOCK_PLAN: dict[str, Style] = {
-    "attn_norm": "entry_norm", "mlp_norm": "entry_norm",  # replicated gain + the entry op
-    "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
-    "mlp.w1": "column", "mlp.w3": "column",
-    "attn.wo": "row", "mlp.w2": "row",
-}
-END_PLAN: dict[str, Style] = {"tok_embeddings": "vocab", "output": "column"}
-KV_MODULES = ("attn.wk", "attn.wv")  # split by kv head: replicated on tp/K ranks when K < tp
 
 
 @dataclass(frozen=True)
@@ -60,14 +50,6 @@ class TpSlice:
     replicas: int = 1
 
 
-def planned_style(module: str) -> Style | None:
-    """The table's style for a full-model module name (None: not planned, so replicated)."""
-    head, _, rest = module.partition(".")
-    if head == "layers":  # layers.<i>.<name in the block>
-        return BLOCK_PLAN.get(rest.partition(".")[2])
-    return END_PLAN.get(module)
-
-
 def kv_slot(n_kv_heads: int, *, tp: int, tp_rank: int) -> tuple[int, int] | None:
     """(slot, K) of the kv head this tp rank holds when the K kv heads are fewer than tp
     (each replicated on tp/K ranks); None when they split evenly."""
@@ -79,16 +61,16 @@ def kv_slot(n_kv_heads: int, *, tp: int, tp_rank: int) -> tuple[int, int] | None
     return tp_rank // (tp // n_kv_heads), n_kv_heads
 
 
-def tp_slice(param_name: str, *, tp: int, tp_rank: int,
+def tp_slice(param_name: str, *, family: ModelFamily, tp: int, tp_rank: int,
              kv: tuple[int, int] | None = None) -> TpSlice:
-    """The tp slice of a full-model parameter (e.g. layers.3.attn.wk.weight) on `tp_rank`, by
-    the table: column/vocab split dim 0 (weight and bias), row splits the weight's dim 1 (its
-    bias is replicated), anything else is replicated; `kv` = `kv_slot(...)` for wk/wv."""
+    """The tp slice of a whole-model parameter (e.g. layers.3.attn.wk.weight) on `tp_rank`,
+    by the family's table: column/vocab split dim 0 (weight and bias), row splits the weight's
+    dim 1 (its bias is replicated), anything else is replicated; `kv` = `kv_slot(...)` for
+    the key/value projections."""
     module, _, attr = param_name.rpartition(".")
-    style = planned_style(module)
+    style = family.planned_style(module)
     if tp > 1 and (style in ("column", "vocab") or (style == "row" and attr == "weight")):
-        is_kv = module.partition(".")[0] == "layers" and module.split(".", 2)[-1] in KV_MODULES
-        index, parts = kv if kv is not None and is_kv else (tp_rank, tp)
+        index, parts = kv if kv is not None and family.is_kv(module) else (tp_rank, tp)
         return TpSlice(1 if style == "row" else 0, index, parts, tp // parts)
     return TpSlice(None, replicas=tp)
 
@@ -103,6 +85,7 @@ class TensorParallelPlan:
     group: object
     sp: bool
     counter: CommCounter
+    family: ModelFamily
     modules: dict[str, nn.Module] = field(default_factory=dict)
     kv_shard: tuple[int, int] | None = None
     replicas: dict[int, int] = field(default_factory=dict)
@@ -114,7 +97,8 @@ class TensorParallelPlan:
 
     def slice_of(self, param_name: str) -> TpSlice:
         """The tp slice of `param_name` (a full-model name) on this rank (`tp_slice`)."""
-        return tp_slice(param_name, tp=self.tp, tp_rank=_rank(self.group), kv=self.kv_shard)
+        return tp_slice(param_name, family=self.family, tp=self.tp, tp_rank=_rank(self.group),
+                        kv=self.kv_shard)
 
 
 def _full(model: nn.Module, name: str, *, seed: int | None, cfg: ModelConfig) -> torch.Tensor:
@@ -151,45 +135,48 @@ def _shard_module(style: Style, w: torch.Tensor, *, plan: TensorParallelPlan, cf
 
 def _plan_block(model, i: str, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
     # An MoE block keeps its router and experts whole on every tp rank (computed redundantly
-    # on the replicated input, so their gradients are complete on each rank): its mlp_norm
-    # stays a plain norm, since the entry op's backward all-reduce would sum tp full copies.
-    moe = isinstance(model.get_submodule(f"layers.{i}.mlp"), MoE)
-    for suffix, style in BLOCK_PLAN.items():
-        if moe and suffix.startswith("mlp"):
+    # on the replicated input, so their gradients are complete on each rank): the norm before
+    # it stays a plain norm, since the entry op's backward all-reduce would sum tp full copies.
+    fam = plan.family
+    block = f"{fam.blocks}.{i}"
+    moe = isinstance(model.get_submodule(f"{block}.{fam.block_mlp}"), MoE)
+    for suffix, style in fam.tp_block.items():
+        if moe and suffix.startswith(fam.block_mlp):
             continue
-        name = f"layers.{i}.{suffix}"
-        kv = plan.kv_shard if suffix in KV_MODULES else None
+        name = f"{block}.{suffix}"
+        kv = plan.kv_shard if suffix in fam.tp_kv else None
         w = _full(model, name + ".weight", seed=seed, cfg=cfg)
         _set(model, name, _shard_module(style, w, plan=plan, cfg=cfg, entry="none", kv=kv), plan)
 
 
 def _plan_ends(model, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
     entry = "gather_seq" if plan.sp else "copy"
-    for name, style in END_PLAN.items():
+    fam = plan.family
+    for name, style in fam.tp_ends.items():
         if getattr(model, name, None) is None:  # a pipeline stage without this end
             continue
         w = _full(model, name + ".weight", seed=seed, cfg=cfg)
         new = _shard_module(style, w, plan=plan, cfg=cfg, entry=entry, kv=None)
-        if name == "output" and cfg.tied_embeddings and "tok_embeddings" in plan.modules:
-            new.weight = plan.modules["tok_embeddings"].weight
+        if name == fam.head and cfg.tied_embeddings and fam.embedding in plan.modules:
+            new.weight = plan.modules[fam.embedding].weight
         _set(model, name, new, plan)
 
 
 def apply_tensor_parallel(model: nn.Module, *, group, sp: bool, seed: int | None = None,
                           cfg: ModelConfig, counter: CommCounter | None = None
                           ) -> TensorParallelPlan:
-    """Replace `model`'s modules named in the table (BLOCK_PLAN per block, END_PLAN) by their
-    tp shards, and return the plan (the caller keeps it: nothing is stored on the model).
+    """Replace `model`'s modules named in its family's table (per block, and the two ends)
+    by their tp shards, and return the plan (the caller keeps it: nothing is stored on the
+    model). `model` is the whole model or a part of it (a pipeline stage).
 
     Call it on every rank of `group`, before activation checkpointing, optimizers or moving
     the model."""
     plan = TensorParallelPlan(group, sp, counter if counter is not None else CommCounter(),
-                              kv_shard=kv_slot(cfg.n_kv_heads, tp=_size(group),
+                              family_of(cfg), kv_shard=kv_slot(cfg.n_kv_heads, tp=_size(group),
                                                tp_rank=_rank(group)))
     with torch.no_grad():
-        # named_children: a Transformer's ModuleList (0..n-1) or a pipeline stage's ModuleDict
-        # keyed by global layer index, so plan names are the full model's either way.
-        for i, _ in model.layers.named_children():
+        # blocks keyed by their global layer index: plan names are the whole model's
+        for i, _ in plan.family.block_items(model):
             _plan_block(model, i, plan, seed=seed, cfg=cfg)
         _plan_ends(model, plan, seed=seed, cfg=cfg)
     for name, p in model.named_parameters(remove_duplicate=False):
