@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 from common import bench_config, median, spawn, to_nn_linear
-from sleep_stages import SleepLocal, SleepStage, p2p_one_way
+from sleep_stages import SleepLocal, SleepStage, mean_loss, p2p_one_way
 
 from hpctrain.config import OptimConfig
 from hpctrain.distributed.mesh import own_group
@@ -221,7 +221,7 @@ def calibrated(rank: int, args) -> dict:
                             for s in sched.stages_of(rank)})
         runs[name] = (sched, t, PipelineRuntime(lower_comm(sched), local, pp_rank=rank,
                                                 peers=[0, 1], act_shape=act_shape,
-                                                loss_fn=lm_loss))
+                                                loss_fn=mean_loss))
     mbs = [(torch.tensor([[i]]), torch.tensor([[i]])) for i in range(args.microbatches)]
     res = {name: {"bubble": [], "span": [], "timeline": []} for name in runs}
     for r in range(1 + args.sleep_steps):

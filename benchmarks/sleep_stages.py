@@ -18,6 +18,7 @@ from torch import nn
 from hpctrain.distributed.comm import Outbox
 from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
 from hpctrain.ops.linear import WeightGradQueue
+from hpctrain.parallel.pipeline.stage import Stage
 
 SPIN_S = 0.5e-3  # the last part of each hold is spun: time.sleep overshoots by 0.1-0.2 ms
 
@@ -73,18 +74,26 @@ class SleepStage(nn.Module):
         self.w = nn.Parameter(torch.ones(1))
         self.wgrad_queue = WeightGradQueue()
 
-    def forward(self, x, targets=None, docs=None):  # docs: the runtime passes boundaries
+    def forward(self, x, docs=None):  # docs: the runtime passes boundaries
         if self.is_first:
             x = x.float().reshape(-1, 1, 1).expand(self.act_shape).contiguous()
-        y = _Sleep.apply(x, self.w, self)
-        return y.mean() if self.is_last else y
+        return _Sleep.apply(x, self.w, self)
+
+
+def mean_loss(y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The sleep stages' loss: the last stage's output mean (targets unused)."""
+    return y.mean()
 
 
 class SleepLocal(nn.Module):
-    def __init__(self, stages: dict[int, SleepStage]):
+    """A rank's sleep stages as the runtime reads them (`parts`, `stages`), like LocalStages."""
+
+    def __init__(self, parts: dict[int, SleepStage]):
         super().__init__()
-        self.stages = stages
-        for s, st in stages.items():
+        self.parts = parts
+        self.stages = {s: Stage(s, st, is_first=st.is_first, is_last=st.is_last,
+                                wgrad_queue=st.wgrad_queue) for s, st in parts.items()}
+        for s, st in parts.items():
             self.add_module(f"stage{s}", st)
 
 

@@ -27,7 +27,7 @@ from hpctrain.config import _GROUPS, TaskConfig
 from hpctrain.config_build import config_key
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
 from hpctrain.plan.task import PlanConfig
-from hpctrain.train.hf_export import ExportConfig
+from hpctrain.train.export_config import ExportConfig
 
 # Every group Hydra composes → its dataclass. bench/plan/simulate reach Config.extra and are
 # built by their tasks (bench.config.bench_config, plan.task.plan_settings, sim_task).

@@ -7,36 +7,39 @@ import json
 import os
 from typing import Any
 
-from hpctrain.bench.task import bench_task as run_bench
 from hpctrain.config import Config
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt, rundir_lock
 from hpctrain.launch.local import launch_local
 from hpctrain.launch.slurm import run_slurm_task
-from hpctrain.parallel.pipeline.sim_task import run_simulate
-from hpctrain.parse import runnable_problems
-from hpctrain.plan.auto import write_plan
-from hpctrain.plan.predict import RunPrediction
-from hpctrain.plan.task import run_plan
-from hpctrain.train.hf_export import export_hf, export_settings
-from hpctrain.train.trainer import Trainer
 from hpctrain.validate import reads_data
 from hpctrain.validate_inputs import check_prepared
+
+# Each task imports what it runs when it runs: a rank (or `python -m hpctrain` launching ranks)
+# does not pay for the modules of the tasks it does not run (the planner's, the exporter's,
+# torch.distributed.checkpoint's in a launcher: seconds per process on a small CPU).
 
 
 def train_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     """The trainer, with the launcher's agreed stop check and the planner's prediction."""
+    from hpctrain.plan.predict import RunPrediction
+    from hpctrain.train.trainer import Trainer
+
     prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
     stop = functools.partial(preempt.stop_agreed, group=mesh.world, device=mesh.device)
     return Trainer(cfg, mesh, stop_requested=stop, prediction=prediction).run()
 
 
 def simulate_task(cfg: Config) -> dict[str, Any]:
+    from hpctrain.parallel.pipeline.sim_task import run_simulate
+
     return run_simulate(cfg)
 
 
 def bench_task(cfg: Config, mesh: Mesh) -> dict[str, Any]:
+    from hpctrain.bench.task import bench_task as run_bench
+
     return run_bench(cfg, mesh)
 
 
@@ -44,6 +47,8 @@ RANK_TASKS = {"train": train_task, "bench": bench_task}
 
 
 def plan_task(cfg: Config) -> dict[str, Any]:
+    from hpctrain.plan.task import run_plan
+
     return run_plan(cfg)
 
 
@@ -55,6 +60,9 @@ def prepare_task(cfg: Config) -> dict[str, Any]:
 
 def export_task(cfg: Config) -> dict[str, Any]:
     """A checkpoint as a Hugging Face directory (hpctrain.train.hf_export)."""
+    from hpctrain.train.export_config import export_settings
+    from hpctrain.train.hf_export import export_hf
+
     return export_hf(export_settings(cfg.extra))
 
 
@@ -82,6 +90,9 @@ def launch(cfg: Config) -> dict[str, Any]:
         return ONCE_TASKS[cfg.task](cfg)
     first = cfg.cluster.launcher != "slurm" or os.environ.get("SLURM_PROCID") == "0"
     if cfg.parallel.auto and first:  # the choice (made in parse) with its top five: once
+        from hpctrain.parse import runnable_problems
+        from hpctrain.plan.auto import write_plan
+
         write_plan(cfg, accept=runnable_problems)
     if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
         with rundir_lock.held(cfg.run_dir, enabled=os.environ.get("SLURM_PROCID") == "0"):

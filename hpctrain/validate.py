@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from hpctrain.bench.config import check_bench as bench_problems
-from hpctrain.bench.task import needs_data
+from hpctrain.bench.config import needs_data
 from hpctrain.config import Config
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
@@ -23,7 +23,7 @@ from hpctrain.ops.attention import backend_problem
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
-from hpctrain.train.hf_export import export_settings
+from hpctrain.train.export_config import export_settings
 from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
 from hpctrain.validate_inputs import (
@@ -280,7 +280,7 @@ def reads_data(c: Config) -> bool:
     """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
         try:
-            return needs_data(c)
+            return needs_data(c.extra)
         except ValueError:  # a bad bench group: check_bench reports it
             return False
     return c.task in ("train", "prepare")

@@ -118,3 +118,8 @@ def check_bench(c) -> list[str]:
         return [str(err)]
     errs = _ranges(b, c.cluster.world_size)  # choices: the Literal fields, checked by build
     return errs + _device_errors(b, resolve_device_type(c.cluster.device))
+
+
+def needs_data(extra: dict[str, Any]) -> bool:
+    """Only the training benchmark reads the token cache (`extra`: the config's extra groups)."""
+    return bench_config(extra).name == "train"

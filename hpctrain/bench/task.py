@@ -27,11 +27,6 @@ def _runners():
             "gemm": run_gemm, "train": run_train}
 
 
-def needs_data(cfg: Config) -> bool:
-    """Only the training benchmark reads the token cache."""
-    return bench_config(cfg.extra).name == "train"
-
-
 def measure(b: BenchConfig, mesh: Mesh, cfg: Config) -> list[dict[str, Any]]:
     return _runners()[b.name](b, mesh, cfg)
 

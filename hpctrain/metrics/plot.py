@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from hpctrain.metrics.logger import read_jsonl
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def plot_run(metrics_path: Path, out_path: Path) -> Path | None:
@@ -46,5 +48,7 @@ def draw_run(records: list[dict]) -> Figure | None:
 def _figure(*args, figsize: tuple[float, float], **kwargs):
     """(figure, axes) drawn with matplotlib's object API: no pyplot, so no process-wide
     backend or figure registry is touched (importing hpctrain has no side effects)."""
+    from matplotlib.figure import Figure  # imported when drawing: ~0.5 s a process
+
     fig = Figure(figsize=figsize)
     return fig, fig.subplots(*args, **kwargs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,21 @@ log = logging.getLogger(__name__)
 
 MODES = ("none", "blocks", "model")
 MASK_BACKENDS = ("eager", "sdpa")  # attention backends that read Documents.mask_BLL
+_BEFORE_COMPILE: list[Callable[[], None]] = []
+
+
+def before_compile(hook: Callable[[], None]) -> None:
+    """Run `hook` before the first compilation of this process: layers above the models
+    (tensor parallelism's communication ops) mark what must stay out of graphs without
+    importing torch._dynamo until something is compiled."""
+    _BEFORE_COMPILE.append(hook)
 
 
 def compile_forward(module: nn.Module) -> None:
     """Replace `module.forward` (whatever it is now, e.g. checkpoint's wrapper) by a compiled
     function calling it; the module, its hooks and its parameter names are untouched."""
+    for hook in _BEFORE_COMPILE:  # each is idempotent
+        hook()
     inner = module.forward
 
     def forward(*args, **kwargs):

@@ -20,9 +20,8 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,31 +36,9 @@ from hpctrain.train.ckpt_shards import Chunk
 from hpctrain.train.hf_import import INDEX, safe_open_or_explain
 from hpctrain.train.manifest import Unverified, Verified
 
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """`export.*` (task=export). `from_` is the key `export.from` (config.config_key)."""
-
-    from_: str | None = None  # a run directory (its newest verified checkpoint) or checkpoint
-    out: str | None = None  # the Hugging Face directory to write (created)
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    max_shard_mb: float = 5000.0  # the largest safetensors file, as save_pretrained's 5 GB
-
-
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json")
-
-
-def export_settings(extra: dict[str, Any]):
-    """The `export` group as an ExportConfig; ValueError naming a missing `from`/`out`."""
-    settings = build(ExportConfig, "export", extra.get("export") or {})
-    missing = [k for k, v in (("from", settings.from_), ("out", settings.out))
-               if v in (None, "???")]
-    if missing:
-        raise ValueError(f"task=export needs {' and '.join(f'export.{k}' for k in missing)}: "
-                         "e.g. task=export export.from=outputs/run1 export.out=hf/run1")
-    return settings
 
 
 def find_checkpoint(source: str | Path) -> Verified:

@@ -68,7 +68,7 @@ def poisoned(data_step: int, *, global_batch: int, dp: int, micro_batch: int = 2
     bad = _nan_loss_on_marked(lm_loss)
     with (mock.patch.object(TokenDataset, "rows", rows),
           mock.patch("hpctrain.parallel.data.engine.lm_loss", bad),
-          mock.patch("hpctrain.parallel.pipeline.stage.lm_loss", bad)):
+          mock.patch("hpctrain.train.tensor_parallel.lm_loss", bad)):  # the pipeline's
         yield
 
 

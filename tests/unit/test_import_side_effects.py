@@ -65,3 +65,54 @@ def test_importing_every_module_has_no_process_wide_side_effects():
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.startswith("ok"), proc.stdout
+
+
+LIGHT = r"""
+import sys
+if sys.argv[1] == "launcher":
+    import hpctrain.__main__  # `python -m hpctrain`
+    heavy = ("torch.distributed.checkpoint", "torch._dynamo", "matplotlib",
+             "hpctrain.train.trainer")
+else:
+    import hpctrain.tasks, hpctrain.train.trainer  # what a training rank imports
+    heavy = ("torch._dynamo", "matplotlib", "hydra", "transformers", "wandb")
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_launcher_and_ranks_import_only_what_they_run():
+    """Every `python -m hpctrain` and every rank it starts pays for its imports (seconds each
+    on a small CPU, and a test suite starts hundreds): the launcher imports no trainer,
+    checkpoint reader, compiler or plotting; a training rank imports no compiler (until
+    train.compile asks), plotting (until it draws), Hydra, Transformers or W&B."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for who in ("launcher", "rank"):
+        out = subprocess.run([sys.executable, "-c", LIGHT, who], capture_output=True,
+                             text=True, cwd=ROOT, env=env, timeout=120, check=True).stdout
+        assert out.strip() == "[]", (who, out)
+
+
+def test_every_deferred_import_resolves():
+    """Imports inside functions (deferred so that a process pays only for what it runs) are
+    not executed by importing the package: check each name they import exists, so a moved
+    function fails here rather than in the one task that imports it."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import hpctrain
+
+    root = Path(hpctrain.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                        and node.module.startswith("hpctrain")):
+                    module = importlib.import_module(node.module)
+                    missing += [f"{path.relative_to(root)}:{node.lineno} {node.module}.{a.name}"
+                                for a in node.names if not hasattr(module, a.name)
+                                and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert not missing, missing

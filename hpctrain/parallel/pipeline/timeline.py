@@ -10,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-
 Box = tuple[float, float, str, str]  # (start, end, label, kind)
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#c9a227", "BW": "#2f8f83"}
 OTHER = "#9a9a9a"
@@ -50,6 +47,8 @@ def draw_timeline(
     ax.set_xlim(0, span)
     ax.set_xlabel("time")
     ax.set_title(title)
+    from matplotlib.patches import Patch  # with the figure: only when drawing
+
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4,
               frameon=False)
@@ -61,5 +60,7 @@ def draw_timeline(
 def _figure(*args, figsize: tuple[float, float], **kwargs):
     """(figure, axes) drawn with matplotlib's object API: no pyplot, so no process-wide
     backend or figure registry is touched (importing hpctrain has no side effects)."""
+    from matplotlib.figure import Figure  # imported when drawing: ~0.5 s a process
+
     fig = Figure(figsize=figsize)
     return fig, fig.subplots(*args, **kwargs)

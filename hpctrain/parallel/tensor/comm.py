@@ -9,7 +9,9 @@ dim without reduction (split's conjugate is a gather, gather's is a split).
 Every op takes its group explicitly and is the identity when the group has one rank.
 Under torch.compile (train.compile) every op runs outside the graph: `_eager` makes each call
 one clean graph break, found once at trace time, instead of dynamo trying (and failing) to
-trace the autograd functions' side effects (the byte counter).
+trace the autograd functions' side effects (the byte counter). torch.compiler.disable imports
+torch._dynamo (about a second per process), so the ops are disabled when a model is first
+compiled (`models.compile.before_compile`), not when this module is imported.
 
 Bytes sent per rank follow the ring algorithms (what NCCL's bus bandwidth assumes): an
 all-reduce of n bytes sends 2(p−1)/p·n, an all-gather producing n bytes sends (p−1)/p·n and a
@@ -18,12 +20,15 @@ reduce-scatter of n input bytes sends (p−1)/p·n. `CommCounter` accumulates th
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
+from hpctrain.models.compile import before_compile
 
 SEQ_DIM = 1
 
@@ -46,7 +51,29 @@ class CommCounter:
 
 
 _size, _rank = group_size, group_rank  # short names for the many call sites below
-_eager = torch.compiler.disable  # see the module docstring
+_BODIES: dict[str, Callable] = {}  # op name → its body, or its disabled body once compiling
+
+
+def _eager(fn: Callable) -> Callable:
+    """`fn`, called through `_BODIES` so that `_keep_out_of_graphs` can swap in its
+    torch.compiler.disable'd form before anything is compiled (module docstring)."""
+    name = fn.__name__
+    _BODIES[name] = fn
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        return _BODIES[name](*args, **kwargs)
+
+    return op
+
+
+def _keep_out_of_graphs() -> None:
+    for name, fn in _BODIES.items():
+        if not getattr(fn, "_torchdynamo_disable", False):
+            _BODIES[name] = torch.compiler.disable(fn)
+
+
+before_compile(_keep_out_of_graphs)
 
 
 def _nbytes(t: torch.Tensor) -> int:
