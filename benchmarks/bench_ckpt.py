@@ -36,8 +36,9 @@ from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
 from hpctrain.parallel.scaler import LossScaler  # noqa: E402
-from hpctrain.parallel.state import parallel_state  # noqa: E402
+from hpctrain.parallel.state import parallel_state, placements  # noqa: E402
 from hpctrain.train import checkpoint as ckpt  # noqa: E402
 from hpctrain.train import ckpt_catalog, manifest  # noqa: E402
 
@@ -63,12 +64,13 @@ def _model(name: str, dim: int | None, layers: int | None) -> tuple[ModelConfig,
     model = build_model(cfg, seed=0)
     engine = DataParallel(model, group=dist.group.WORLD, batch_group=dist.group.WORLD,
                           zero=0, precision="fp32",
-                          optim=OptimConfig(lr=1e-4))
+                          optim=OptimConfig(lr=1e-4), norm=NormSpec())
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     engine.train_step([(tokens, tokens)], n_micro=1, precision="fp32",
                       scaler=LossScaler(enabled=False), grad_clip=1.0)
     mesh = build_mesh(ParallelDims(), rank=0, device=torch.device("cpu"))
-    return cfg, model, parallel_state(model, mesh=mesh, engine=engine)
+    placed = placements(model, tp_plan=None, stages=None, tied=None)
+    return cfg, model, parallel_state(model, placed, mesh=mesh, engine=engine)
 
 
 class _HashClock:

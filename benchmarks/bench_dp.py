@@ -44,6 +44,7 @@ from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.distributed.teardown import close_process_groups  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
 from hpctrain.parallel.memory import storage_bytes  # noqa: E402
 from hpctrain.parallel.scaler import LossScaler  # noqa: E402
 from hpctrain.parallel.step import lm_loss  # noqa: E402
@@ -91,7 +92,7 @@ def hpctrain_engine(zero: int, args, *, replicas: int = 1) -> Engine:
         mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
         groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}
     engine = DataParallel(model, zero=zero, precision="fp32", optim=OPTIM,
-                          bucket_mb=args.bucket_mb, **groups)
+                          bucket_mb=args.bucket_mb, norm=NormSpec(), **groups)
     scaler = LossScaler(enabled=False)
     out = Engine(f"hpctrain zero={zero}" + (f" dp_replicate={replicas}" if replicas > 1 else ""),
                  None)

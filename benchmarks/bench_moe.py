@@ -34,6 +34,7 @@ from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.models import build_model  # noqa: E402
 from hpctrain.models.config import MoEConfig  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
+from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
 from hpctrain.parallel.moe import apply_expert_parallel, dispatch  # noqa: E402
 from hpctrain.parallel.scaler import LossScaler  # noqa: E402
 
@@ -67,7 +68,7 @@ def run_layout(name: str, ep: int, rank: int, world: int, args) -> dict:
     experts = apply_expert_parallel(model, mesh)
     engine = DataParallel(model, group=mesh.dp_cp, batch_group=mesh.dp_cp,
                           zero=1, precision="fp32", optim=OPTIM,
-                          experts=experts)
+                          experts=experts, norm=NormSpec())
     timer = A2ATimer()
     dispatch.dist.all_to_all_single = timer
     times, shares = [], []

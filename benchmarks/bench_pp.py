@@ -40,6 +40,7 @@ from sleep_stages import SleepLocal, SleepStage, mean_loss, p2p_one_way
 from hpctrain.config import OptimConfig
 from hpctrain.distributed.mesh import own_group
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -69,7 +70,7 @@ def hp_variant(name: str, cfg, rank: int, args):
     alone = own_group()  # dp=1
     engine = DataParallel(local, group=alone, batch_group=alone,
                           zero=0, precision="fp32", optim=OPTIM,
-                          norm_groups=(dist.group.WORLD,))
+                          norm=NormSpec((dist.group.WORLD,)))
     scaler = LossScaler(enabled=False)
 
     def step(batch_BL):

@@ -7,7 +7,10 @@ the pipeline runtime. Nothing of it is attached to modules or optimizers: checkp
 the spec to reassemble and cut tensors, metrics read the tp plan's byte counter, the trainer
 steps the engine.
 
-The shard spec has one `ParamShard` per parameter name, saying where the parameter lives:
+The shard spec has one `ParamShard` per parameter name, saying where the parameter lives. It
+is built in two halves: the `Placement`s (tp, pp, ep, copies: where the model is split) before
+the data-parallel engine exists, so that the clip norm is read from them (`norm_spec`: each
+element counted once, from where it lives), then the engine's flat-unit places (dp):
 
   tp   `TpSlice(dim, index, parts, replicas)`: this rank holds full.chunk(parts, dim)[index]
        (dim None: all of it), and `replicas` tp ranks hold identical values — read from the
@@ -34,12 +37,14 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from hpctrain.distributed.mesh import Mesh, group_rank
+from hpctrain.distributed.mesh import Mesh, group_rank, group_size
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.moe import ExpertParallel
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.stage import LocalStages
+from hpctrain.parallel.pipeline.tied import TiedEmbeddings
 from hpctrain.parallel.tensor.plan import TensorParallelPlan, TpSlice
 
 WHOLE = TpSlice(None)  # not split over tp (tp = 1, or a parameter outside the plan at tp = 1)
@@ -60,6 +65,7 @@ class ParamShard:
     # A copy of a parameter whose original another rank holds (the last pipeline stage's tied
     # head, summed with the first stage's embedding): checkpoints write the original only.
     copy: bool = False
+    held_by: int = 1  # ranks of the tp and pp groups holding identical values (`Placement`)
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -144,14 +150,53 @@ def _dp_places(engine: DataParallel) -> dict[str, tuple[int, int, tuple[int, ...
     return out
 
 
-def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParallelPlan | None,
-               stages: LocalStages | None = None,
-               copies: frozenset[int] = frozenset()) -> dict[str, ParamShard]:
-    """The spec of every trainable parameter of `model` (see the module docstring); `copies`:
-    ids of parameters held as a copy of another rank's (`ParamShard.copy`). Raises
-    RuntimeError if the engine does not hold exactly the model's trainable parameters."""
-    tp, stage, dp = _tp_slices(model, tp_plan), _stage_of(model, stages), _dp_places(engine)
-    ep = _ep_slices(model)
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter lives on the axes that split the model, known before the engine
+    exists: its tp slice, pipeline stage and ep slice, whether it is a copy of another rank's
+    parameter (`copy`: the last stage's tied head when the first stage lives elsewhere), and
+    `held_by`: how many ranks of the tp and pp groups hold identical values (the tp replicas,
+    twice that for an embedding tied across two pipeline ranks)."""
+
+    tp: TpSlice
+    stage: int
+    ep: TpSlice = WHOLE
+    copy: bool = False
+    held_by: int = 1
+
+
+def placements(model: nn.Module, *, tp_plan: TensorParallelPlan | None,
+               stages: LocalStages | None, tied: TiedEmbeddings | None
+               ) -> dict[int, Placement]:
+    """id(param) → its `Placement`, for every parameter of the finished `model` (this rank's
+    tp shard / stages): the first half of the shard spec, which the clip norm (`norm_spec`)
+    and the checkpoints read; the data-parallel engine adds where each one sits in its flat
+    units (`shard_spec`)."""
+    tp, stage, ep = _tp_slices(model, tp_plan), _stage_of(model, stages), _ep_slices(model)
+    split = tied is not None and tied.split
+    first_here = stages is None or 0 in stages.parts
+    out = {}
+    for p in model.parameters():
+        twin = split and p is tied.weight
+        out[id(p)] = Placement(tp[id(p)], stage[id(p)], ep.get(id(p), WHOLE),
+                               copy=twin and not first_here,
+                               held_by=tp[id(p)].replicas * (2 if twin else 1))
+    return out
+
+
+def norm_spec(placed: Mapping[int, Placement], mesh: Mesh) -> NormSpec:
+    """The clip norm read from where each element lives: squares summed over the tp and pp
+    groups (when they split the model), a parameter held by k of their ranks counted 1/k."""
+    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if group_size(g) > 1)
+    return NormSpec(groups, {i: pl.held_by for i, pl in placed.items() if pl.held_by > 1})
+
+
+def shard_spec(model: nn.Module, placed: Mapping[int, Placement], *,
+               engine: DataParallel) -> dict[str, ParamShard]:
+    """The spec of every trainable parameter of `model`: its `Placement` and its place in
+    the engine's units. Raises RuntimeError if the engine does not hold exactly the model's
+    trainable parameters."""
+    dp = _dp_places(engine)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if sorted(n for n, _ in named) != sorted(dp):
         raise RuntimeError(f"the data-parallel engine holds {sorted(dp)} but the model's "
@@ -161,16 +206,17 @@ def shard_spec(model: nn.Module, *, engine: DataParallel, tp_plan: TensorParalle
     for name, p in named:
         unit = engine.units[dp[name][0]]
         shape = tuple(unit.shapes[unit.names.index(name)])  # p itself may be freed (ZeRO-3)
-        out[name] = ParamShard(name, shape, tp[id(p)], stage[id(p)], *dp[name],
-                               ep=ep.get(id(p), WHOLE), copy=id(p) in copies)
+        pl = placed[id(p)]
+        out[name] = ParamShard(name, shape, pl.tp, pl.stage, *dp[name], ep=pl.ep, copy=pl.copy,
+                               held_by=pl.held_by)
     return out
 
 
-def parallel_state(model: nn.Module, *, mesh: Mesh, engine: DataParallel,
-                   tp_plan: TensorParallelPlan | None = None, stages: LocalStages | None = None,
-                   runtime: PipelineRuntime | None = None, cp_comm: RingComm | None = None,
-                   copies: frozenset[int] = frozenset()) -> ParallelState:
-    """Freeze the built pieces into one ParallelState, deriving the shard spec."""
-    spec = shard_spec(model, engine=engine, tp_plan=tp_plan, stages=stages, copies=copies)
+def parallel_state(model: nn.Module, placed: Mapping[int, Placement], *, mesh: Mesh,
+                   engine: DataParallel, tp_plan: TensorParallelPlan | None = None,
+                   stages: LocalStages | None = None, runtime: PipelineRuntime | None = None,
+                   cp_comm: RingComm | None = None) -> ParallelState:
+    """Freeze the built pieces into one ParallelState, completing the shard spec."""
+    spec = shard_spec(model, placed, engine=engine)
     return ParallelState(mesh, model, MappingProxyType(spec), engine, tp_plan, stages, runtime,
                          cp_comm)

@@ -1,9 +1,9 @@
-"""The trainer's pipeline-parallel step (parallel.pp > 1): build this rank's stages, run the
-schedule, measure the bubble; the update is the data-parallel engine's, as for every layout
-(hpctrain.parallel.data: reduction over dp, the global norm over dp shards, tp and pp, clip,
-AdamW, ZeRO 0-2). With parallel.tp > 1 the stages are tensor-parallel
-(hpctrain.parallel.pipeline.tp_stages) and `engine_axes` gives the engine the tp gradient sync
-and the norm of the unsharded model. The schedule runs under the engine reducer's no_sync, so
+"""The trainer's pipeline-parallel step (parallel.pp > 1): run the schedule over this rank's
+finished stages (built by hpctrain.train.setup), measure the bubble; the update is the
+data-parallel engine's, as for every layout (hpctrain.parallel.data: reduction over dp, the
+global norm over dp shards, tp and pp as the shard spec says, clip, AdamW, ZeRO 0-2). With
+parallel.tp > 1 the stages are tensor-parallel (hpctrain.parallel.pipeline.tp_stages). The
+schedule runs under the engine reducer's no_sync, so
 no dp collective interleaves with the pipeline's p2p: the reduction runs after the schedule.
 
 Loss scaling is the same as the plain step: each microbatch's mean loss / d_i on the last stage,
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,30 +115,19 @@ class PipelineEngine:
         metrics = measured_bubble(result.timeline, span, group=pp_group, device=self.mesh.device)
         return step, metrics
 
-    def engine_axes(self, axes: dict[str, Any]) -> dict[str, Any]:
-        """The data-parallel engine's `axes` (train.tensor_parallel.engine_axes) plus, with
-        embeddings tied across pp ranks, their gradient sum before the dp reduction
-        (`pre_reduce`) and E counted once in the clip norm (`grad_replicas`)."""
+    def pre_reduce(self, then: Callable[[], None] | None) -> Callable[[], None] | None:
+        """With embeddings tied across pp ranks, their gradient sum before the dp reduction,
+        followed by `then` (tp's sync); else `then` itself."""
         tied = self.tied
         if tied is None or not tied.split:
-            return axes
-        tp_pre_reduce = axes.get("pre_reduce")
+            return then
 
         def pre_reduce() -> None:
             tied.sum_grads()
-            if tp_pre_reduce is not None:
-                tp_pre_reduce()
+            if then is not None:
+                then()
 
-        return {**axes, "pre_reduce": pre_reduce,
-                "grad_replicas": _merged_replicas(axes.get("grad_replicas"), tied.replicas)}
-
-    def copies(self) -> frozenset[int]:
-        """ids of the parameters this rank holds as a copy of another rank's: the last stage's
-        tied head when the first stage lives elsewhere (checkpoints write the first's)."""
-        tied = self.tied
-        if tied is None or not tied.split or 0 in self.local.parts:
-            return frozenset()
-        return frozenset({id(tied.weight)})
+        return pre_reduce
 
     def eval_loss(self, batches) -> float:
         """Mean loss over every real token of `batches` on all dp ranks, forward only through
@@ -183,15 +173,6 @@ def last_stage_value(value: torch.Tensor | None, *, holds: bool, group,
     out = out.reshape(()).clone()
     if group_size(group) > 1:
         dist.all_reduce(out, group=group)
-    return out
-
-
-def _merged_replicas(*maps: dict[int, int] | None) -> dict[int, int]:
-    """id(param) → number of ranks holding it identically, over independent axes (a product)."""
-    out: dict[int, int] = {}
-    for m in maps:
-        for k, v in (m or {}).items():
-            out[k] = out.get(k, 1) * v
     return out
 
 

@@ -7,10 +7,11 @@ shard over tp (which then sees the experts' final parameters, kept whole on ever
 a stage's head to the embedding on the same rank, make the linears FP8 (train.fp8), move to the
 device, swap attention for the cp ring, wrap for activation checkpointing, compile
 (train.compile). Then `build_parallel_state` adds the pipeline runtime over the finished stages,
-the data-parallel engine over the finished parameters (the engine flattens them; expert
-parameters get their own units over the ranks holding the same experts), and derives the shard
-spec (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and metrics receive
-the result; nothing is attached to the model or the optimizer.
+the placements (where each parameter lives: the first half of the shard spec, which the clip
+norm reads), the data-parallel engine over the finished parameters (the engine flattens them;
+expert parameters get their own units over the ranks holding the same experts), and completes
+the shard spec (`hpctrain.parallel.state.parallel_state`). The trainer, checkpointing and
+metrics receive the result; nothing is attached to the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from hpctrain.parallel.pipeline.actions import Schedule
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import LocalStages, assemble_stages, stage_parts
 from hpctrain.parallel.pipeline.tp_stages import shard_parts
-from hpctrain.parallel.state import ParallelState, parallel_state
+from hpctrain.parallel.state import ParallelState, norm_spec, parallel_state, placements
 from hpctrain.parallel.tensor import TensorParallelPlan
 from hpctrain.train.pipeline import PipelineEngine
-from hpctrain.train.tensor_parallel import engine_axes
+from hpctrain.train.tensor_parallel import tp_pre_reduce
 
 
 @dataclass
@@ -84,19 +85,21 @@ def build_parallel_state(cfg: Config, mesh: Mesh) -> tuple[ParallelState, Pipeli
     built = build_rank_model(cfg, mesh, schedule=schedule)
     pipeline = (PipelineEngine(cfg, mesh, built.stages, schedule, tp_plan=built.tp_plan)
                 if schedule is not None else None)
+    # Where every parameter lives (tp, pp, ep, copies), known before the engine: the clip
+    # norm is read from it, each element counted once (hpctrain.parallel.state).
+    placed = placements(built.module, tp_plan=built.tp_plan, stages=built.stages,
+                        tied=pipeline.tied if pipeline is not None else None)
     # One update path for every layout: gradient reduction (bucketed), the global norm,
     # clipping and AdamW (sharded for zero > 0, 16-bit parameters with fp32 masters under
     # bf16/fp16) live in the data-parallel engine (hpctrain/parallel/data), over the dp group
     # on this rank's tp shard / pipeline stages.
-    axes = engine_axes(built.module, built.tp_plan, mesh)
+    pre_reduce = tp_pre_reduce(built.module, built.tp_plan)
     if pipeline is not None:  # + tied embeddings across stages
-        axes = pipeline.engine_axes(axes)
-    if built.experts is not None:
-        axes["experts"] = built.experts
-    engine = build_data_parallel(built.module, cfg, mesh, **axes)
-    state = parallel_state(built.module, mesh=mesh, engine=engine, tp_plan=built.tp_plan,
-                           stages=built.stages,
+        pre_reduce = pipeline.pre_reduce(pre_reduce)
+    engine = build_data_parallel(built.module, cfg, mesh, norm=norm_spec(placed, mesh),
+                                 pre_reduce=pre_reduce, experts=built.experts)
+    state = parallel_state(built.module, placed, mesh=mesh, engine=engine,
+                           tp_plan=built.tp_plan, stages=built.stages,
                            runtime=pipeline.runtime if pipeline is not None else None,
-                           cp_comm=built.cp_comm,
-                           copies=pipeline.copies() if pipeline is not None else frozenset())
+                           cp_comm=built.cp_comm)
     return state, pipeline

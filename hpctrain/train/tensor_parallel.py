@@ -2,10 +2,9 @@
 
 The model is sharded by `hpctrain.train.setup` (one order for every layout). `step_loss` is the
 step's loss (the vocab-parallel one under tp, for the plain step and the pipeline's last
-stage); `tp_step_hooks` gives it to the train and eval steps; `engine_axes` gives the
-data-parallel engine the replicated-gradient sync (before the dp reduction) and the clip norm
-over the unsharded model (and over pp). Every tp rank gets the same batch: the sampler shards by
-dp only.
+stage); `tp_step_hooks` gives it to the train and eval steps; `tp_pre_reduce` gives the
+data-parallel engine the replicated-gradient sync (before the dp reduction). Every tp rank
+gets the same batch: the sampler shards by dp only.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.parallel.step import lm_loss
 from hpctrain.parallel.tensor import (
     TensorParallelPlan,
@@ -48,20 +46,16 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
     return {"loss_fn": step_loss(plan)}
 
 
-def engine_axes(model: nn.Module, plan: TensorParallelPlan | None, mesh: Mesh) -> dict[str, Any]:
-    """What the data-parallel engine needs to step a tp shard / pipeline stage of the model:
-    replicated-gradient sync over tp before the dp reduction (only with sp or replicated kv
-    heads, where those gradients are partial sums; it turns off the overlap of the reduction
-    with backward), and the clip norm summed over tp (each replicated value once) and pp.
-    {} for the whole model on every rank."""
-    groups = tuple(g for g in (mesh.group("tp"), mesh.group("pp")) if group_size(g) > 1)
-    if plan is None:
-        return {"norm_groups": groups} if groups else {}
-    axes: dict[str, Any] = {"norm_groups": groups, "grad_replicas": dict(plan.replicas)}
-    if plan.sp or plan.kv_slots:  # else every local gradient is complete: keep the overlap
-        params = [p for p in model.parameters() if p.requires_grad]
-        axes["pre_reduce"] = lambda: sync_tp_grads(params, plan)
-    return axes
+def tp_pre_reduce(model: nn.Module,
+                  plan: TensorParallelPlan | None) -> Callable[[], None] | None:
+    """The replicated-gradient sync over tp the data-parallel engine runs before its dp
+    reduction, or None: needed only with sp or replicated kv heads, where those gradients are
+    partial sums (it turns off the overlap of the reduction with backward). The clip norm's
+    share of tp comes from the shard spec (hpctrain.parallel.state.norm_spec)."""
+    if plan is None or not (plan.sp or plan.kv_slots):  # every local gradient is complete
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda: sync_tp_grads(params, plan)
 
 
 def take_comm_bytes(plan: TensorParallelPlan | None) -> dict[str, int]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hpctrain.config import OptimConfig
 from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.scaler import LossScaler
 from tests.parallel.reference_step import reference_optimizer, reference_step
 
@@ -59,7 +60,8 @@ def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0
         mesh = _mesh(replicate)
         groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}
     engine = DataParallel(model, zero=zero, precision=precision, optim=OPTIM,
-                          bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload, **groups)
+                          bucket_mb=bucket_mb, grad_comm_dtype=comm, offload=offload,
+                          norm=NormSpec(), **groups)
     return model, engine
 
 
@@ -73,9 +75,10 @@ def _mesh(replicate: int = 1):
 
 def dp_state(model, engine):
     """The ParallelState of a dp-only world (dp = world size) around `engine`."""
-    from hpctrain.parallel.state import parallel_state
+    from hpctrain.parallel.state import parallel_state, placements
 
-    return parallel_state(model, mesh=_mesh(), engine=engine)
+    placed = placements(model, tp_plan=None, stages=None, tied=None)
+    return parallel_state(model, placed, mesh=_mesh(), engine=engine)
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:
@@ -188,22 +191,3 @@ def load_and_continue(path: str, *, zero: int, accum: int):
     loss = engine.train_step(mbs, n_micro=accum, precision="fp32",
                              scaler=LossScaler(enabled=False), grad_clip=1.0).loss
     return loss, full_params(engine)
-
-
-def run_trainer(overrides: list[str], run_dir: str):
-    """The real Trainer on this world (dp = world size) for a few steps: its history."""
-    from pathlib import Path
-
-    from hpctrain.distributed.dims import ParallelDims
-    from hpctrain.distributed.mesh import build_mesh
-    from hpctrain.train.trainer import Trainer
-    from tests.conftest import make_config
-
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cfg = make_config(overrides, run_dir=run_dir)
-    p = cfg.parallel
-    mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
-                      device=torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
-    trainer.run()
-    return [m["loss"] for m in trainer.history], trainer.memory_metrics()

@@ -17,6 +17,7 @@ from hpctrain.models import PRESETS, build_model
 from hpctrain.models.config import MoEConfig
 from hpctrain.models.moe import take_moe_stats, take_router_loss
 from hpctrain.parallel.data.engine import DataParallel
+from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.moe import apply_expert_parallel
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import lm_loss
@@ -37,7 +38,7 @@ def _parallel(ep: int, *, zero: int, dtype, capacity: float):
     experts = apply_expert_parallel(model, mesh)
     engine = DataParallel(model, group=mesh.dp_cp, batch_group=mesh.dp_cp,
                           zero=zero, precision="fp32", optim=OPTIM,
-                          bucket_mb=0.01, experts=experts)
+                          bucket_mb=0.01, experts=experts, norm=NormSpec())
     return mesh, model, engine
 
 
@@ -134,9 +135,10 @@ def ep_trajectory(ep: int, *, zero: int, steps: int = 3):
 
 
 def _state(mesh, model, engine):
-    from hpctrain.parallel.state import parallel_state
+    from hpctrain.parallel.state import parallel_state, placements
 
-    return parallel_state(model, mesh=mesh, engine=engine)
+    placed = placements(model, tp_plan=None, stages=None, tied=None)
+    return parallel_state(model, placed, mesh=mesh, engine=engine)
 
 
 def _steps(engine, first: int, last: int) -> float:

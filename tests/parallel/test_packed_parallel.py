@@ -30,13 +30,14 @@ from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.state import norm_spec, placements
 from hpctrain.parallel.step import allreduce_mean, eval_loss, lm_loss, loss_divisors
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train.tensor_parallel import engine_axes, step_loss
+from hpctrain.train.tensor_parallel import step_loss, tp_pre_reduce
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.threed_reference import expected_slice
 
@@ -181,7 +182,10 @@ def run_engine(dp: int, tp: int, *, sp: bool) -> dict[str, float]:
             loss_fn = functools.partial(vocab_parallel_cross_entropy, group=plan.group)
         engine = DataParallel(model, group=mesh.group("dp"), batch_group=mesh.group("dp"),
                               zero=0, precision="fp32",
-                              optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
+                              optim=OPTIM, bucket_mb=0.001,
+                              norm=norm_spec(placements(model, tp_plan=plan, stages=None,
+                                                        tied=None), mesh),
+                              pre_reduce=tp_pre_reduce(model, plan))
         micro = packed_micro_batches(dp * M)
         mine = _mine(mesh, micro)
         evaluated = eval_loss(model, mine, precision="fp32", dp_group=mesh.group("dp"),

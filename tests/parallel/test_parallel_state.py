@@ -42,7 +42,8 @@ def _spec_on_rank(overrides: list[str]) -> dict:
         want = s.local_of(reference[name].detach())
         specs[name] = {"tp": (s.tp.dim, s.tp.index, s.tp.parts, s.tp.replicas),
                        "stage": s.stage, "local": s.local_shape, "full": s.full_shape,
-                       "dp_shards": s.dp_shards, "exact": torch.equal(values[name], want)}
+                       "dp_shards": s.dp_shards, "held_by": s.held_by,
+                       "exact": torch.equal(values[name], want)}
     return {"coords": mesh.dims.coords(mesh.rank),
             "specs": specs,
             "full": {n: tuple(t.shape) for n, t in reference.items()},
@@ -111,9 +112,19 @@ def test_spec_slices_are_exact_with_replicated_kv_dp_shards_and_tied_copies(worl
             e = run["specs"]["tok_embeddings.weight"]
             assert "output.weight" not in run["specs"]  # one Parameter, one name
             assert (e["stage"], e["tp"]) == (run["coords"]["pp"], (0, run["coords"]["tp"], 2, 1))
+            assert e["held_by"] == 2  # E lives on both pp ranks: the clip norm counts it once
         else:
             shards = {s["dp_shards"] for s in run["specs"].values()}
             assert set().union(*shards) == {0, 1}  # zero=1: both dp shards hold pieces
+    # Each element counted once, from where it lives (what the clip norm reads): the local
+    # sizes over held_by, summed over the tp and pp ranks of dp coordinate 0, are the model's.
+    counted: dict[str, float] = {}
+    for run in runs:
+        if run["coords"]["dp"] == 0:
+            for name, s in run["specs"].items():
+                counted[name] = counted.get(name, 0) + torch.Size(s["local"]).numel() / s[
+                    "held_by"]
+    assert counted == {n: torch.Size(shape).numel() for n, shape in runs[0]["full"].items()}
 
 
 def _mesh_cost() -> dict:

@@ -33,6 +33,12 @@ def run_trainer(overrides: list[str], run_dir: str, *, steps: int,
     return trainer
 
 
+def losses_and_memory(overrides: list[str], run_dir: str, *, steps: int):
+    """The trainer on this world with `overrides` alone (no BASE): its losses and memory."""
+    trainer = run_trainer(overrides, run_dir, steps=steps, base=())
+    return [m["loss"] for m in trainer.history], trainer.memory_metrics()
+
+
 def train_in_world(overrides: list[str], run_dir: str) -> list[tuple[float, float]]:
     trainer = run_trainer(overrides, run_dir, steps=STEPS)
     return [(h["loss"], h["grad_norm"]) for h in trainer.history]

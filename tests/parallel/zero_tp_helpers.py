@@ -18,8 +18,9 @@ from hpctrain.models import build_model
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.state import full_model_state
 from hpctrain.parallel.scaler import LossScaler
+from hpctrain.parallel.state import norm_spec, placements
 from hpctrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from hpctrain.train.tensor_parallel import engine_axes
+from hpctrain.train.tensor_parallel import tp_pre_reduce
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.reference_step import reference_optimizer, reference_step
 from tests.parallel.threed_reference import expected_slice, model_cfg
@@ -63,7 +64,10 @@ def tp_dp_zero_errors(zero: int, steps: int, *, sp: bool = False
     plan = apply_tensor_parallel(model, group=mesh.group("tp"), sp=sp, cfg=cfg, seed=SEED)
     engine = DataParallel(model, group=mesh.group("dp"), batch_group=mesh.group("dp"),
                           zero=zero, precision="fp32",
-                          optim=OPTIM, bucket_mb=0.001, **engine_axes(model, plan, mesh))
+                          optim=OPTIM, bucket_mb=0.001,
+                          norm=norm_spec(placements(model, tp_plan=plan, stages=None,
+                                                    tied=None), mesh),
+                          pre_reduce=tp_pre_reduce(model, plan))
 
     def loss_fn(logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, group=plan.group,

@@ -126,6 +126,7 @@ def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
     router starts biased: experts 0 and 1 get + 2·(the mean router input's direction)."""
     from hpctrain.config import OptimConfig
     from hpctrain.parallel.data.engine import DataParallel
+    from hpctrain.parallel.data.zero import NormSpec
     from hpctrain.parallel.scaler import LossScaler
 
     cfg = moe_cfg(num_experts=8, aux_loss_coef=aux_coef, z_loss_coef=0.0).with_(n_layers=2)
@@ -139,7 +140,7 @@ def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
         layer.router.weight[:2] += 2 * seen[0] / seen[0].norm()
     hook.remove()
     engine = DataParallel(model, group=None, batch_group=None, zero=0, precision="fp32",
-                          optim=OptimConfig(lr=1e-3, weight_decay=0.0))
+                          optim=OptimConfig(lr=1e-3, weight_decay=0.0), norm=NormSpec())
     cvs = []
     for r in rows:
         engine.train_step([(r[:, :-1], r[:, 1:])], n_micro=1, precision="fp32",

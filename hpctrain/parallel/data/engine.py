@@ -16,8 +16,9 @@ Composition with tensor and pipeline parallelism: the engine works over the dp g
 local parameters a rank holds (tp shards, pipeline stages). What the other axes need is passed
 in, not special-cased here: `pre_reduce` runs on the local gradients before the dp reduction
 (tp: complete the partial gradients of replicated parameters) — with it, reduction is not
-overlapped with backward, every collective is issued by `reduce_and_update`; `norm_groups` and
-`grad_replicas` make the clip norm that of the whole model (see ShardedAdamW). A pipeline runs
+overlapped with backward, every collective is issued by `reduce_and_update`; `norm` (a
+`NormSpec`, read from the shard spec) makes the clip norm that of the whole model (see
+ShardedAdamW). A pipeline runs
 its schedule under `reducer.no_sync()` (no dp collective in the middle of the schedule's p2p)
 and then calls `reduce_and_update`.
 
@@ -47,7 +48,7 @@ from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
 from hpctrain.parallel.data.units import FlatUnit
-from hpctrain.parallel.data.zero import ShardedAdamW
+from hpctrain.parallel.data.zero import NormSpec, ShardedAdamW
 from hpctrain.parallel.data.zero3 import Zero3Params
 from hpctrain.parallel.finite import SKIPPED
 from hpctrain.parallel.memory import storage_bytes
@@ -89,25 +90,24 @@ def _expert_groups(model: torch.nn.Module, named, *, zero: int, bucket_bytes: fl
     return [(i, g) for i, g in groups if g]
 
 
-def _expert_norm(named, experts: ExpertGroups, norm_groups: tuple,
-                 grad_replicas: dict[int, int] | None) -> tuple[tuple, dict[int, int]]:
+def _expert_norm(named, experts: ExpertGroups, norm: NormSpec) -> NormSpec:
     """zero = 0 with expert parallelism: the clip norm also sums over the ep group (its
     ranks hold different experts), where every dense parameter is held ep times (counted
     1/ep each). With zero ≥ 1 the sum over dp already counts each element once: dense
     shards are disjoint over dp, expert shards over (ep, expert-data) = dp."""
     ep = group_size(experts.ep_group)
-    replicas = dict(grad_replicas or {})
+    replicas = dict(norm.replicas)
     for _, p in named:
         if id(p) not in experts.params:
             replicas[id(p)] = replicas.get(id(p), 1) * ep
-    return (*norm_groups, experts.ep_group), replicas
+    return NormSpec((*norm.groups, experts.ep_group), replicas)
 
 
 class DataParallel:
     def __init__(self, model: torch.nn.Module, *, group, batch_group, zero: int, precision: str,
                  optim, bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32",
-                 offload: str = "none", pre_reduce: Callable[[], None] | None = None,
-                 norm_groups: tuple = (), grad_replicas: dict[int, int] | None = None,
+                 norm: NormSpec, offload: str = "none",
+                 pre_reduce: Callable[[], None] | None = None,
                  experts: ExpertGroups | None = None, replicas=None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
@@ -116,10 +116,10 @@ class DataParallel:
         self.batch_group = batch_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if experts is not None and zero == 0:  # see _expert_norm
-            norm_groups, grad_replicas = _expert_norm(named, experts, norm_groups, grad_replicas)
+            norm = _expert_norm(named, experts, norm)
         # Overflow must be agreed by every rank that steps together: the dp group alone only
         # when the units hold the whole model, else every rank (tp/pp shards step together).
-        split = any(group_size(g) > 1 for g in norm_groups)
+        split = any(group_size(g) > 1 for g in norm.groups)
         self.overflow_group = dist.group.WORLD if split else self.batch_group
         dp, rank = group_size(group), group_rank(group)
         dtype = PARAM_DTYPES.get(precision, named[0][1].dtype)
@@ -143,7 +143,7 @@ class DataParallel:
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype, replicas=replicas,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
         self.optimizer = ShardedAdamW(self.units, optim, group=group, offload=offload,
-                                      norm_groups=norm_groups, grad_replicas=grad_replicas)
+                                      norm=norm)
 
     def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
                    grad_clip: float, loss_fn: Callable | None = None) -> StepResult:
@@ -174,7 +174,7 @@ class DataParallel:
         dp reduction, average `loss` (this rank's loss sum, 0-d; None on pipeline stages that
         hold no loss) over dp in place, agree on overflow, then clip + update unless the loss or
         the grad norm is non-finite; zero the gradients. Collective over the world when
-        norm_groups are set. The result's grad norm is the one before clipping."""
+        the norm spans more than dp (tp, pp). The result's grad norm is the one before clipping."""
         if self.pre_reduce is not None:
             self.pre_reduce()
         self.reducer.finish()

@@ -15,14 +15,19 @@ norm's own all-reduce, hpctrain.parallel.finite): a non-finite step leaves maste
 moments and the step count untouched.
 Clipping uses the true global norm: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (all-reduced;
 shards are disjoint, so nothing is counted twice). When the units hold only part of the model
-(tensor-parallel shards, one pipeline stage), the squares are also summed over `norm_groups`,
-and a parameter that `grad_replicas` says is held identically by k ranks of those groups (a
-replicated norm gain under tp) counts ‖g_p‖² / k, so every value is counted once.
+(tensor-parallel shards, one pipeline stage), the squares are also summed over the `NormSpec`'s
+groups, and a parameter it says is held identically by k ranks of those groups (a replicated
+norm gain under tp, a tied embedding on two pipeline ranks) counts ‖g_p‖² / k, so every value
+is counted once. The spec is read from the shard spec, built before the engine
+(hpctrain.parallel.state.norm_spec): where each element lives decides how it is counted.
 After the update the compute-dtype shard is refreshed from the master and,
 for zero 1/2, all-gathered into the full parameters.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim.adamw import adamw
@@ -32,15 +37,25 @@ from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.finite import NormVerdict, reduce_norm
 
 
+@dataclass(frozen=True)
+class NormSpec:
+    """How this rank's squared gradients add up to the whole model's ‖g‖² beyond the dp shards:
+    summed over `groups` (the axes that split the model: tp, pp), a parameter held identically
+    by k ranks of them counting 1/k (`replicas`: id(param) → k). `NormSpec()`: every rank holds
+    the whole model."""
+
+    groups: tuple = ()
+    replicas: Mapping[int, int] = field(default_factory=dict)
+
+
 class ShardedAdamW:
-    def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group,
-                 offload: str = "none", norm_groups: tuple = (),
-                 grad_replicas: dict[int, int] | None = None):
+    def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group, norm: NormSpec,
+                 offload: str = "none"):
         if optim.name != "adamw":
             raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")
         self.units, self.group, self.offload = units, group, offload
-        self.norm_groups = tuple(norm_groups)
-        self._weights = [self._norm_weights(u, grad_replicas or {}) for u in units]
+        self.norm_groups = tuple(norm.groups)
+        self._weights = [self._norm_weights(u, norm.replicas) for u in units]
         self.betas, self.eps, self.weight_decay = (optim.beta1, optim.beta2), optim.eps, \
             optim.weight_decay
         self.param_groups = [{"lr": optim.lr}]  # the trainer's set_lr writes here
@@ -62,7 +77,7 @@ class ShardedAdamW:
         return init.detach().to(device=device, dtype=master_dtype, copy=True)
 
     @staticmethod
-    def _norm_weights(unit: FlatUnit, replicas: dict[int, int]) -> list[tuple[int, int, int]]:
+    def _norm_weights(unit: FlatUnit, replicas: Mapping[int, int]) -> list[tuple[int, int, int]]:
         """(lo, hi, k) ranges of the unit's shard whose parameter is replicated on k > 1 ranks."""
         return [(pc.local_offset, pc.local_offset + pc.length, replicas[id(unit.params[pc.index])])
                 for pc in unit.layout.owned(unit.shard_rank)
