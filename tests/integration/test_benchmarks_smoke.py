@@ -19,6 +19,7 @@ RUNS = {
            "--seq", "16", "--dim", "32", "--layers", "4"],
     "moe": ["benchmarks/bench_moe.py", "--world", "2", "--steps", "1", "--warmup", "0",
             "--batch", "1", "--seq", "16", "--dim", "32"],
+    "startup": ["benchmarks/bench_startup.py", "--repeats", "1"],
 }
 
 
