@@ -73,11 +73,15 @@ def supervise(procs: list, pipes: list[Connection], *, run_dir: Path, stop_grace
     results: dict[int, Any] = {}
     open_pipes = dict(enumerate(pipes))
     sig, deadline, failed = _Signals(), None, None
+    ended: dict[int, int] = {}  # rank → exit code, of the ranks that ended badly by themselves
     sig.install()
     try:
         while any(p.is_alive() for p in procs) or open_pipes:
             _receive(open_pipes, results, procs)
             now = time.monotonic()
+            if deadline is None or now <= deadline:  # not yet killed by this supervisor
+                ended.update((r, p.exitcode) for r, p in enumerate(procs)
+                             if p.exitcode not in (None, 0))
             if sig.seen and deadline is None:
                 name = signal.Signals(sig.seen[0]).name
                 log.warning("%s: stopping the ranks at their next step boundary, with a "
@@ -98,6 +102,8 @@ def supervise(procs: list, pipes: list[Connection], *, run_dir: Path, stop_grace
         for p in procs:
             p.join()
         sig.restore()
+    if failed is not None:
+        failed = _cause(ended) if ended else failed
     _raise_if_stopped(procs, failed=failed, signals=sig.seen, run_dir=run_dir,
                       stop_grace_s=stop_grace_s, results=results)
     return results
@@ -144,6 +150,18 @@ def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir:
         code = procs[failed].exitcode
         raise JobStopped(f"{first} (full report: {report})", exit_code=code if code > 0 else 1)
     raise JobStopped(_death_message(procs, failed, run_dir), exit_code=1)
+
+
+def _cause(ended: dict[int, int]) -> int:
+    """The rank whose end brought the job down, among those that ended badly by themselves
+    (rank → exit code): one killed by a signal before one that exited with an error, and
+    either before one that reported a hang (once a rank is gone its peers' collectives fail
+    or stall, and they may exit first)."""
+    def order(r: int) -> tuple[int, int]:
+        code = ended[r]
+        return (0 if code < 0 else 2 if code == EXIT_HANG else 1), r
+
+    return min(ended, key=order)
 
 
 def _death_message(procs, rank: int, run_dir: Path) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,10 +76,15 @@ class GradReducer:
 
     def __post_init__(self):
         self.dp = group_size(self.group)
-        for unit in self.units:
+        # The hooks hold the reducer weakly: a parameter's hooks live in its C++ grad
+        # accumulator, which the garbage collector cannot see, so a strong reference would
+        # make parameter → hook → reducer (or unit) → parameter a cycle never freed (nor the
+        # process groups it holds, each with a polling gloo thread) once the trainer is gone.
+        on_grad = weakref.WeakMethod(self._on_grad)
+        for k, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, u=unit, i=i: self._on_grad(u, i)))
+                    lambda _p, k=k, i=i: on_grad()(k, i)))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -89,7 +95,8 @@ class GradReducer:
         finally:
             self._sync = True
 
-    def _on_grad(self, unit: FlatUnit, i: int) -> None:
+    def _on_grad(self, k: int, i: int) -> None:
+        unit = self.units[k]
         if unit.grad_full is not None:
             unit.adopt_grad(i)
         n = self._ready.get(unit.index, 0) + 1

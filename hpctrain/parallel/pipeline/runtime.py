@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -124,6 +125,8 @@ class PipelineRuntime:
                                               for a in self.actions)
         # NCCL (batched) issues its p2p in order on the compute thread; gloo's go to the courier
         self._courier = None if batched else Courier(timeout=timeout)
+        if self._courier is not None:  # its thread ends with the runtime
+            weakref.finalize(self, self._courier.close)
         self._train_program = self._compile(comm_groups(self.actions) if batched
                                             else self.actions)
 

@@ -1,0 +1,63 @@
+"""The local launcher's supervisor names the rank that brought a job down, whatever order the
+ranks' exits are seen in: a rank killed by a signal is the cause, its peers that then reported
+a hang are not; a rank the supervisor itself killed after the grace is never the cause."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from hpctrain.distributed import rundir
+from hpctrain.distributed.watchdog import EXIT_HANG
+from hpctrain.launch.supervisor import JobStopped, supervise
+
+
+def _exit(code: int, after_s: float) -> None:
+    time.sleep(after_s)
+    os._exit(code)
+
+
+def _killed(after_s: float) -> None:
+    time.sleep(after_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stuck() -> None:
+    time.sleep(60)
+
+
+def _supervise(targets, run_dir) -> str:
+    ctx = mp.get_context("fork")
+    procs, readers = [], []
+    for target, args in targets:
+        reader, writer = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=target, args=args))
+        procs[-1].start()
+        writer.close()
+        readers.append(reader)
+    report = rundir.hang_dir(run_dir) / "report.txt"
+    report.parent.mkdir(parents=True)
+    report.write_text("hang: rank 1 was last in step 8 (train)\n")
+    with pytest.raises(JobStopped) as stop:
+        supervise(procs, readers, run_dir=run_dir, stop_grace_s=5, fail_grace_s=1.0)
+    return str(stop.value)
+
+
+def test_a_killed_rank_is_named_even_after_its_peer_reported_a_hang(tmp_path):
+    # rank 0 sees its peer gone and exits with the hang status first; rank 1 was SIGKILLed
+    message = _supervise([(_exit, (EXIT_HANG, 0.0)), (_killed, (0.4,))], tmp_path)
+    assert message.startswith("rank 1 (pid ") and "killed by SIGKILL" in message, message
+
+
+def test_the_hang_report_is_the_cause_when_the_supervisor_killed_the_stuck_rank(tmp_path):
+    message = _supervise([(_exit, (EXIT_HANG, 0.0)), (_stuck, ())], tmp_path)
+    assert message.startswith("hang: rank 1 was last in step 8"), message
+
+
+def test_an_error_exit_comes_before_a_hang_report(tmp_path):
+    message = _supervise([(_exit, (EXIT_HANG, 0.0)), (_exit, (1, 0.3))], tmp_path)
+    assert message.startswith("rank 1 (pid ") and "exited with status 1" in message, message
