@@ -78,3 +78,25 @@ def _quiet_env():
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     yield
+
+
+# With pytest-xdist (tests/run.sh: -n 2 --dist loadgroup) each worker takes whole groups: a
+# test file is a group (its module fixtures and cached references are computed once), the
+# 8-rank worlds' files share one (one worker holds an 8-rank world), and the Slurm tests are
+# one group, first in line: they mostly wait on the cluster, so the other worker runs the rest
+# meanwhile instead of after them.
+_WORLD8_FILES = {"test_3d_trainer.py", "test_3d_runtime.py", "test_ckpt_sharded.py",
+                 "test_zero_tp_pp.py", "test_hsdp.py"}
+
+
+def _group(item) -> str:
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    name = item.path.name
+    return "world8" if name in _WORLD8_FILES else str(item.path.relative_to(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: _group(item) != "slurm")  # stable: the rest keeps its order

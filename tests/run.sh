@@ -12,4 +12,8 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
-exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Two pytest workers (pytest-xdist): the Slurm tests mostly wait on the cluster and many tests
+# hold one core, so a second stream of tests fills the machine; tests/conftest.py groups them
+# (HPCTRAIN_TEST_WORKERS=0 runs everything in this one process).
+exec python -m pytest -q -p no:cacheprovider --durations=25 \
+  -n "${HPCTRAIN_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -46,13 +46,33 @@ BPE_EOD = "<|eod|>"
 
 
 def source_files(data: DataConfig) -> list[Path]:
-    """The inputs to tokenise, in a deterministic order (stdlib: this Python's sources)."""
+    """The inputs to tokenise, in a deterministic order (stdlib: this Python's sources, the
+    first ones that hold data.max_bytes)."""
     if data.source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+        files, total = [], 0
+        for f in _python_sources(Path(sysconfig.get_paths()["stdlib"])):
+            if total >= data.max_bytes:
+                break
+            files.append(f)
+            total += f.stat().st_size
+        return files
     if data.mixture:
         return [f for corpus in data.mixture for f in list_inputs(corpus.paths, data.format)]
     return list_inputs(data.paths, data.format)
+
+
+def _python_sources(root: Path):
+    """The `*.py` files under `root` in sorted path order, read lazily (a depth-first walk with
+    each directory's entries sorted by name gives that order), without entering
+    site-packages or following directory links."""
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            if e.name != "site-packages":
+                yield from _python_sources(Path(e.path))
+        elif e.name.endswith(".py") and e.is_file():
+            yield Path(e.path)
 
 
 def val_files(data: DataConfig) -> list[Path]:

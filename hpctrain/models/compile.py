@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,7 +106,11 @@ class CompileStats:
 
 def compile_stats() -> CompileStats:
     """Graphs compiled and compile seconds (dynamo + inductor, forward and backward) of this
-    process, from torch's own counters (private API, read only here)."""
+    process, from torch's own counters (private API, read only here). They start at zero
+    when dynamo is first imported, so before that nothing was compiled and dynamo (~1.5 s of
+    imports) is not loaded just to say so."""
+    if "torch._dynamo" not in sys.modules:
+        return CompileStats(graphs=0, seconds=0.0)
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     graphs = int(counters["stats"]["unique_graphs"])

@@ -155,9 +155,10 @@ def _last_losses(overrides: list[str], run_dir: str) -> float:
 
 def test_fp8_200_steps_track_bf16(tmp_path):
     """The debug model, 200 steps: mean loss of the last 10 steps with FP8 (tensorwise) within
-    0.02 of bf16's. Measured (seed 1234): bf16 2.3746, FP8 tensorwise 2.3766 (gap 0.002),
-    rowwise 2.3854 (gap 0.011); the tolerance is 10× the tensorwise gap, and an untrained
-    model sits at ln 512 ≈ 6.2."""
+    0.02 of bf16's. Measured (seed 1234, FP8 GEMMs emulated on CPU): bf16 2.3739, FP8
+    tensorwise 2.3801 (gap 0.006), rowwise 2.3779 (gap 0.004); the tolerance is 3× the
+    tensorwise gap, and an untrained model sits at ln 512 ≈ 6.2. At 100 steps the gap is
+    0.022 (tensorwise) against a window-to-window wobble of 0.1: too early to tell."""
     world = get_world(1)
     bf16 = world.run(_last_losses, ["train.precision=bf16"], str(tmp_path / "bf16"))[0]
     fp8 = world.run(_last_losses, FP8, str(tmp_path / "fp8"))[0]

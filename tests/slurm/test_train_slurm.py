@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,16 +59,26 @@ def _dp4_local_reference(tmp_path_factory) -> list[tuple[int, float]]:
     return _dp4_losses[0]
 
 
-def test_dp4_two_nodes_matches_local(slurm_cluster, tmp_path, tmp_path_factory):
+@pytest.fixture(scope="module")
+def dp4_two_nodes(slurm_cluster, tmp_path_factory) -> tuple[Path, Any, float]:
+    """dp=4 on 2 nodes × 2 tasks (10 steps, checkpoints at 5 and 10), run once: the sweep dir,
+    the CLI's result and its seconds. One test compares it with cluster=local, another resumes
+    its step-5 checkpoint at another layout."""
+    sweep = tmp_path_factory.mktemp("dp4_slurm") / "sw"
     t0 = time.monotonic()
-    proc = _hpctrain(["cluster=slurm_local", *_DP4[1:], f"hydra.sweep.dir={tmp_path / 'sw'}"])
+    proc = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.checkpoint_every=5",
+                      f"hydra.sweep.dir={sweep}"])
+    return sweep, proc, time.monotonic() - t0
+
+
+def test_dp4_two_nodes_matches_local(dp4_two_nodes, tmp_path_factory):
+    sweep, proc, slurm_s = dp4_two_nodes
     assert proc.returncode == 0, proc.stderr[-4000:]
-    slurm_s = time.monotonic() - t0
-    run_dir = tmp_path / "sw" / "0"
+    run_dir = sweep / "0"
     got = _losses(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["completed_steps"] == 10
-    log = next((tmp_path / "sw" / ".submitit").glob("*/*_0_log.out")).parent
+    log = next((sweep / ".submitit").glob("*/*_0_log.out")).parent
     assert "rank 3/4" in "".join(p.read_text() for p in log.glob("*_log.*"))
     ref = _dp4_local_reference(tmp_path_factory)
     assert got == ref and len(got) == 10, f"slurm {got}\nlocal {ref} (slurm run {slurm_s:.0f} s)"
@@ -141,21 +152,22 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
     assert got == ref  # bit-identical (CPU fp32)
 
 
-def test_resume_at_another_layout_continues(slurm_cluster, tmp_path, tmp_path_factory):
-    """Save at dp=4 on 2 nodes × 2 tasks, resume the same run dir at dp=2 zero=1 on one node:
-    the loss continues as the never-resharded run does (fp32 tolerance)."""
-    sweep = f"hydra.sweep.dir={tmp_path / 'sw'}"
-    first = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.stop_after=5", sweep])
+def test_resume_at_another_layout_continues(dp4_two_nodes, tmp_path, tmp_path_factory):
+    """The dp=4 run's step-5 checkpoint (2 nodes × 2 tasks) resumed at dp=2 zero=1 on one
+    node: the loss continues as the never-resharded run does (fp32 tolerance)."""
+    sweep, first, _ = dp4_two_nodes
     assert first.returncode == 0, first.stderr[-4000:]
+    saved = sweep / "0" / "checkpoints" / "step_00000005"
     second = _hpctrain(["cluster=slurm_local", "parallel=dp2", "parallel.zero=1",
-                        "train.global_batch_size=8", *SMALL, sweep])
+                        "train.global_batch_size=8", *SMALL, f"train.resume={saved}",
+                        f"hydra.sweep.dir={tmp_path / 'sw'}"])
     assert second.returncode == 0, second.stderr[-4000:]
     logs = "".join(p.read_text() for p in (tmp_path / "sw" / ".submitit").glob("*/*_log.*"))
     assert re.search(r"resumed from .*step_00000005 at step 5", logs), logs[-3000:]
     got = _losses(tmp_path / "sw" / "0")
     ref = _dp4_local_reference(tmp_path_factory)
-    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 11))
-    for (step, a), (_, b) in zip(got, ref, strict=True):
+    assert [s for s, _ in got] == list(range(6, 11))
+    for (step, a), (_, b) in zip(got, ref[5:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
 
 
@@ -184,36 +196,30 @@ def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
     assert summary["completed_steps"] == steps
 
 
-def test_sweep_two_points_summary(slurm_cluster, tmp_path):
-    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "optim.lr=1e-3,3e-3",
+def test_sweep_summary_with_a_failing_point(slurm_cluster, tmp_path):
+    """Three points: two train, the third passes validation and fails while training (its loss
+    blows up to NaN at step 2 and the NaN guard stops it; a bad path would stop the sweep
+    before launch). The summary lists all three."""
+    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "train.grad_clip=0",
+                      "optim.warmup_steps=0", "optim.lr=1e-3,3e-3,1e4",
                       f"hydra.sweep.dir={tmp_path}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode != 0
     rows = json.loads((tmp_path / "sweep_summary.json").read_text())
-    assert [r["status"] for r in rows] == ["ok", "ok"]
-    assert [r["overrides"][-1] for r in rows] == ["optim.lr=0.001", "optim.lr=0.003"]
-    assert all(isinstance(r["final_loss"], float) for r in rows)
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed"], rows
+    assert [r["overrides"][-1] for r in rows] == ["optim.lr=0.001", "optim.lr=0.003",
+                                                  "optim.lr=10000.0"]
+    assert all(isinstance(r["final_loss"], float) for r in rows[:2])
+    assert rows[2]["error"] and "non-finite" in (tmp_path / "2" / "error.txt").read_text()
+    assert any(p.endswith("_2_0_log.err") for p in rows[2]["logs"]), rows[2]["logs"]
     table = (tmp_path / "sweep_summary.md").read_text()
-    assert "| 1 | ok | optim.lr=0.003 |" in table
+    assert "| 1 | ok | optim.lr=0.003 |" in table and "| 0 | ok |" in table
+    assert "point 2 failed" in table
     assert "sweep summary" in proc.stderr + proc.stdout
     from hpctrain.parse import sweep_group
 
     cfg = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert cfg["run_dir"] == str(tmp_path / "0")
     assert sweep_group(tmp_path) == f"{tmp_path.parent.name}_{tmp_path.name}"
-
-
-def test_sweep_with_failing_point_reports_it(slurm_cluster, tmp_path):
-    # A point that passes validation and fails while training: its loss blows up to NaN at
-    # step 2 and the NaN guard stops it (a bad path would now stop the sweep before launch).
-    proc = _hpctrain(["cluster=slurm_local", "parallel=dp2", *SMALL, "train.grad_clip=0",
-                      "optim.warmup_steps=0", "optim.lr=3e-3,1e4", f"hydra.sweep.dir={tmp_path}"])
-    assert proc.returncode != 0
-    rows = json.loads((tmp_path / "sweep_summary.json").read_text())
-    assert [r["status"] for r in rows] == ["ok", "failed"], rows
-    assert rows[1]["error"] and "non-finite" in (tmp_path / "1" / "error.txt").read_text()
-    assert any(p.endswith("_1_0_log.err") for p in rows[1]["logs"]), rows[1]["logs"]
-    table = (tmp_path / "sweep_summary.md").read_text()
-    assert "point 1 failed" in table and "| 0 | ok |" in table
 
 
 def test_parallel_auto_on_the_local_cluster(slurm_cluster, tmp_path):
