@@ -17,6 +17,7 @@ from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, ring_bytes
 from hpctrain.parallel.context.shard import shard_micro_batch
 from hpctrain.parallel.step import loss_divisors
+from tests.references import token_batch
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -40,8 +41,7 @@ def interpret_triton() -> None:
 
 
 def batch(L: int, *, documents: bool):
-    g = torch.Generator().manual_seed(7)
-    tokens_BL = torch.randint(0, 64, (2, L + 1), generator=g)
+    inputs_BL, targets_BL = token_batch(2, L, vocab=64, seed=7)
     docs = None
     if documents:  # documents of uneven lengths, one crossing every chunk boundary
         ids_BL = torch.zeros(2, L, dtype=torch.long)
@@ -49,10 +49,10 @@ def batch(L: int, *, documents: bool):
             for c in cuts:
                 ids_BL[b, c:] += 1
         docs = Documents.from_ids(ids_BL)
-    targets_BL = tokens_BL[:, 1:].clone()
+    targets_BL = targets_BL.clone()
     if documents:  # padding, unevenly over the shards: the loss must still be the rows' mean
         targets_BL[0, L - 12:] = IGNORE_INDEX
-    return tokens_BL[:, :-1], targets_BL, docs
+    return inputs_BL, targets_BL, docs
 
 
 def ce64(logits_BLV, targets_BL):

@@ -16,7 +16,7 @@ from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.scaler import LossScaler
-from tests.parallel.reference_step import reference_optimizer, reference_step
+from tests.references import reference_run, token_batch
 
 # eps ≫ gradient rounding noise: Adam divides by |g| + eps, so with eps=1e-8 the ulp-level
 # differences of tiny gradients (summed in another order) are amplified to O(lr).
@@ -25,9 +25,7 @@ SEQ, MICRO = 16, 2  # tokens per sample, samples per micro-batch per rank
 
 
 def global_batch(step: int, *, dp: int, accum: int, vocab: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (dp * accum * MICRO, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(dp * accum * MICRO, SEQ, vocab=vocab, seed=1000 + step)
 
 
 def rank_micro_batches(step: int, *, dp: int, rank: int, accum: int, vocab: int):
@@ -39,15 +37,14 @@ def rank_micro_batches(step: int, *, dp: int, rank: int, accum: int, vocab: int)
 def reference(steps: int, *, dp: int, accum: int, dtype=torch.float32, grad_clip=1.0):
     """Single process, the whole global batch split into dp·accum micro-batches."""
     model = build_model(PRESETS["debug"], seed=0).to(dtype)
-    opt = reference_optimizer(model, OPTIM)
-    vocab = PRESETS["debug"].vocab_size
-    for step in range(steps):
+    vocab, n = PRESETS["debug"].vocab_size, dp * accum
+
+    def batches(step: int):
         x, y = global_batch(step, dp=dp, accum=accum, vocab=vocab)
-        n = dp * accum
-        mbs = list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0),
-                       strict=True))
-        reference_step(model, opt, mbs, n_micro=n, grad_clip=grad_clip)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return list(zip(x.view(n, MICRO, SEQ).unbind(0), y.view(n, MICRO, SEQ).unbind(0),
+                        strict=True))
+
+    return reference_run(model, OPTIM, steps, batches, grad_clip=grad_clip)[0]
 
 
 def make_engine(*, zero: int, precision="fp32", dtype=torch.float32, bucket_mb=0.01,

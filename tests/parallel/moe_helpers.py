@@ -22,7 +22,7 @@ from hpctrain.parallel.moe import apply_expert_parallel
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import lm_loss
 from tests.parallel.dp_helpers import OPTIM, rank_micro_batches
-from tests.parallel.reference_step import reference_optimizer, reference_step
+from tests.references import reference_optimizer, reference_step
 
 
 def moe_config(capacity: float = 0.0):

@@ -26,7 +26,7 @@ from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import lm_loss
 from tests.parallel.dp_helpers import MICRO, OPTIM, SEQ, rank_micro_batches
 from tests.parallel.moe_helpers import _local, moe_config
-from tests.parallel.reference_step import reference_optimizer, reference_step
+from tests.references import reference_optimizer, reference_step
 
 
 def _router_stats(model) -> dict[str, tuple[float, float]]:

@@ -16,7 +16,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh
@@ -38,6 +37,7 @@ from hpctrain.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from hpctrain.train.tensor_parallel import step_loss, tp_pre_reduce
+from tests import references
 from tests.parallel.dp_helpers import OPTIM
 from tests.parallel.threed_reference import expected_slice
 
@@ -51,40 +51,14 @@ def _cfg(attention: str = "sdpa") -> ModelConfig:
 
 
 def packed_micro_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, Documents]]:
-    """n micro-batches of MB rows, each row several documents (one of length 1) and padding
-    at its end: 0..SEQ-1 tokens in row 0, 0..SEQ/2 in row 1, so real tokens per micro-batch
-    vary widely (every one keeps at least one)."""
-    gen = torch.Generator().manual_seed(SEED)
-    out = []
-    for _ in range(n):
-        seq = torch.randint(0, 64, (MB, SEQ + 1), generator=gen)
-        inputs, targets = seq[:, :-1].clone(), seq[:, 1:].clone()
-        ids = torch.empty(MB, SEQ, dtype=torch.long)
-        for b in range(MB):
-            cuts = sorted(torch.randperm(SEQ - 2, generator=gen)[:3].add(1).tolist())
-            ids[b] = torch.bucketize(torch.arange(SEQ), torch.tensor(cuts), right=True)
-        for b, most in enumerate((SEQ - 1, SEQ // 2)):
-            pad = int(torch.randint(0, most + 1, (), generator=gen))
-            targets[b, SEQ - pad:] = IGNORE_INDEX
-            ids[b, SEQ - pad:] = ids[b, SEQ - pad - 1] + 1
-        out.append((inputs, targets, Documents.from_ids(ids)))
-    return out
+    return references.packed_micro_batches(n, MB, SEQ, vocab=64, seed=SEED)
 
 
 def reference(cfg: ModelConfig, micro):
-    """(loss, gradients by name) of one fp64 process over the whole global batch at once: the
-    micro-batches concatenated, one mean over all their real tokens."""
-    model = build_model(cfg, seed=SEED).double()
-    inputs, targets, docs = zip(*micro, strict=True)
-    docs = Documents(ids_BL=torch.cat([d.ids_BL for d in docs]),
-                     positions_BL=torch.cat([d.positions_BL for d in docs]))
-    loss = _ce64(model(torch.cat(inputs), docs=docs), torch.cat(targets))
-    loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    return references.fp64_packed_grads(cfg, micro, seed=SEED)
 
 
-def _ce64(logits_BLV, targets_BL):
-    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten())
+_ce64 = references.ce64
 
 
 def _compare(grads, mesh, cfg, micro, losses) -> dict[str, float]:

@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import own_group
-from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
 from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.step import lm_loss
+from tests.references import fp64_grads, micro_batches
 
 SEED, MB, SEQ = 7, 2, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_h2", 1),
@@ -27,19 +27,11 @@ def _model_cfg(n_layers: int) -> ModelConfig:
 
 
 def _micro_batches(m: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(SEED)
-    seqs = torch.randint(0, vocab, (m, MB, SEQ + 1), generator=gen)
-    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+    return micro_batches(m, MB, SEQ, vocab=vocab, seed=SEED)
 
 
 def _reference(cfg: ModelConfig, micro) -> tuple[float, dict[str, torch.Tensor]]:
-    model = build_model(cfg, seed=SEED).double()
-    loss_sum = 0.0
-    for inputs, targets in micro:
-        loss = lm_loss(model(inputs), targets) / len(micro)
-        loss.backward()
-        loss_sum += float(loss)
-    return loss_sum, {n: p.grad for n, p in model.named_parameters()}
+    return fp64_grads(cfg, micro, seed=SEED, loss_fn=lm_loss)
 
 
 def run_pipeline_and_compare(name: str, v: int, m: int, drop_w: bool = False) -> float:

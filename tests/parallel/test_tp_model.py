@@ -20,6 +20,7 @@ from hpctrain.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from tests.parallel.tp_reference import max_err, shard, tp_group
+from tests.references import token_batch
 
 TOL = 1e-12
 B, L = 2, 16
@@ -38,9 +39,7 @@ def _expected(name: str, full: torch.Tensor, cfg) -> torch.Tensor:
 
 
 def _batch(cfg):
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, cfg.vocab_size, (B, L + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(B, L, vocab=cfg.vocab_size, seed=11)
 
 
 def _one_step(sp: bool, kv_heads: int, seed_init: bool):

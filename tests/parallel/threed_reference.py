@@ -4,10 +4,9 @@ single-process reference and this rank's slice of a full-model tensor under the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
+from tests import references
 
 SEED, MB, SEQ = 7, 2, 8
 
@@ -18,23 +17,13 @@ def model_cfg(n_layers: int, *, n_kv_heads: int = 2) -> ModelConfig:
 
 
 def micro_batches(m: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(SEED)
-    seqs = torch.randint(0, vocab, (m, MB, SEQ + 1), generator=gen)
-    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+    return references.micro_batches(m, MB, SEQ, vocab=vocab, seed=SEED)
 
 
 def reference(cfg: ModelConfig, micro) -> tuple[float, dict[str, torch.Tensor], float]:
     """(mean loss, full gradients by name, gradient norm) of the single-process fp64 model."""
-    model = build_model(cfg, seed=SEED).double()
-    loss_sum = 0.0
-    for inputs, targets in micro:
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / len(micro)
-        loss.backward()
-        loss_sum += float(loss)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
-    return loss_sum, grads, norm
+    loss, grads = references.fp64_grads(cfg, micro, seed=SEED)
+    return loss, grads, references.grad_norm(grads)
 
 
 def expected_slice(name: str, full: torch.Tensor, cfg: ModelConfig, *, tp: int,

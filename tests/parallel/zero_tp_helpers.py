@@ -22,18 +22,16 @@ from hpctrain.parallel.state import norm_spec, placements
 from hpctrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from hpctrain.train.tensor_parallel import tp_pre_reduce
 from tests.parallel.dp_helpers import OPTIM
-from tests.parallel.reference_step import reference_optimizer, reference_step
 from tests.parallel.threed_reference import expected_slice, model_cfg
 from tests.parallel.trainer_runs import run_trainer
+from tests.references import ce64, micro_batches, reference_run
 
 SEED, MICRO, SEQ, ACCUM = 7, 2, 8, 2
 CLIP = 0.05  # below the gradient norm: the clip (and its replica-aware norm) is exercised
 
 
 def _micro_batches(step: int, *, n: int, vocab: int):
-    g = torch.Generator().manual_seed(100 + step)
-    seqs = torch.randint(0, vocab, (n, MICRO, SEQ + 1), generator=g)
-    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+    return micro_batches(n, MICRO, SEQ, vocab=vocab, seed=100 + step)
 
 
 def _fp64_loss(logits_BLV, targets_BL):
@@ -42,14 +40,9 @@ def _fp64_loss(logits_BLV, targets_BL):
 
 
 def _reference(cfg, steps: int, *, n: int):
-    model = build_model(cfg, seed=SEED).double()
-    opt = reference_optimizer(model, OPTIM)
-    norms = []
-    for step in range(steps):
-        _, norm = reference_step(model, opt, _micro_batches(step, n=n, vocab=cfg.vocab_size),
-                                 n_micro=n, grad_clip=CLIP, loss_fn=_fp64_loss)
-        norms.append(norm)
-    return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
+    return reference_run(build_model(cfg, seed=SEED).double(), OPTIM, steps,
+                         lambda step: _micro_batches(step, n=n, vocab=cfg.vocab_size),
+                         grad_clip=CLIP, loss_fn=ce64)
 
 
 def tp_dp_zero_errors(zero: int, steps: int, *, sp: bool = False

@@ -8,7 +8,6 @@ compiled once (tiny model: dim 32, 2 layers) and reused by the tests below."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from hpctrain.models import build_model
@@ -17,6 +16,7 @@ from hpctrain.models.compile import CompileWatch, apply_compile, compile_stats
 from hpctrain.models.config import ModelConfig
 from hpctrain.ops.documents import Documents
 from tests.conftest import make_config
+from tests.references import token_batch
 
 TOL = 1e-5
 EOD = 3
@@ -26,9 +26,7 @@ CFG = ModelConfig(name="compile", vocab_size=64, dim=32, n_layers=2, n_heads=4, 
 
 def _batch(seed: int, rows: int = 2, length: int = 16):
     """Packed rows: every seed gives another document layout."""
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, CFG.vocab_size, (rows, length + 1), generator=gen)
-    inputs, targets = seq[:, :-1], seq[:, 1:]
+    inputs, targets = token_batch(rows, length, vocab=CFG.vocab_size, seed=seed)
     return inputs, targets, Documents.from_eod(inputs, eod=EOD)
 
 
