@@ -181,12 +181,15 @@ def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
     30 s delay: 64–80 s, always on a 30 s tick): late enough for the handlers (installed ~5 s
     in, ~15 s on a loaded host), early enough to keep the run short. A slot that is signalled
     again is requeued again; the run must only outlast the first one."""
-    steps = 4000  # ~90 s of debug-model steps here (~45/s): at most ~54 s fit in a first slot
-    train = ["parallel=dp2", *SMALL, f"train.steps={steps}", "train.log_every=500",
-             "cluster.time_min=2", "cluster.signal_delay_s=60"]
+    # One rank (the dp=2 stop agreement is the preemption test's): ~90 s of debug-model steps
+    # here (~33/s), of which at most ~54 s fit in a first slot; a checkpoint at the signal only.
+    steps = 3000
+    train = ["parallel=single", "cluster.procs_per_node=1", *SMALL, f"train.steps={steps}",
+             "train.log_every=500", "train.checkpoint_every=0", "cluster.time_min=2",
+             "cluster.signal_delay_s=60"]
     sweep = tmp_path / "sw"
     proc = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"], timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
     assert "received SIGUSR2" in logs, logs[-3000:]
     stopped = re.search(r"checkpointing at step (\d+)", logs)
