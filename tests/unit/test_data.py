@@ -82,3 +82,22 @@ def test_too_little_data_is_a_clear_error(tmp_path):
     out = prepare(_files(tmp_path, ["tiny"]))
     with pytest.raises(ValueError, match="fewer than train.seq_len"):
         TokenDataset(out, "train", seq_len=64)
+
+
+def test_stdlib_sources_are_read_lazily_in_sorted_path_order():
+    """The embedded corpus's file order (what its tokens and cache key depend on): the lazy walk
+    gives exactly sorted(rglob("*.py")) without site-packages, and stops at data.max_bytes."""
+    import sysconfig
+    from pathlib import Path
+
+    from hpctrain.data.prepare import _python_sources, source_files
+    from tests.conftest import make_config
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    want = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    assert list(_python_sources(root)) == want
+    data = make_config(["data.max_bytes=200000"]).data
+    files = source_files(data)
+    assert files == want[:len(files)]
+    assert sum(f.stat().st_size for f in files[:-1]) < 200000 <= sum(f.stat().st_size
+                                                                     for f in files)

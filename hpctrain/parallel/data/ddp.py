@@ -81,10 +81,16 @@ class GradReducer:
         # make parameter → hook → reducer (or unit) → parameter a cycle never freed (nor the
         # process groups it holds, each with a polling gloo thread) once the trainer is gone.
         on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(k: int, i: int) -> None:
+            reducer = on_grad()
+            if reducer is not None:  # a reducer that is gone reduces nothing
+                reducer(k, i)
+
         for k, unit in enumerate(self.units):
             for i, p in enumerate(unit.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, k=k, i=i: on_grad()(k, i)))
+                    lambda _p, k=k, i=i: hook(k, i)))
 
     @contextlib.contextmanager
     def no_sync(self):
