@@ -25,10 +25,11 @@ is done; W is assumed to need only the small part of the activations kept for it
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpctrain.parallel.pipeline.actions import COMPUTE_KINDS, Action, ActionKind, Schedule
+from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 Key = tuple[int, str, int]  # (stage, "F" | "B" | "W", microbatch); BW completes "B" and "W"
@@ -76,94 +77,55 @@ def _completes(action: Action) -> list[Key]:
 
 def _check_complete(schedule: Schedule) -> None:
     """Every (stage, microbatch) has one F and either one BW or one B and one W, on its rank."""
-    n_stages, m = schedule.n_stages, schedule.n_microbatches
-    seen = [0] * (3 * n_stages * m)  # by _index(stage, kind, microbatch)
+    seen: Counter[Key] = Counter()
     for rank, acts in enumerate(schedule.actions):
         for a in acts:
-            kind = a.kind
-            if kind not in COMPUTE_KINDS:
+            if not a.kind.is_compute:
                 continue
-            if not (0 <= a.stage < n_stages and 0 <= a.microbatch < m):
+            in_range = 0 <= a.microbatch < schedule.n_microbatches
+            if not (0 <= a.stage < schedule.n_stages and in_range):
                 raise ValueError(f"{schedule.name}: {a} on rank {rank} is out of range")
             if schedule.stage_to_rank[a.stage] != rank:
                 raise ValueError(
                     f"{schedule.name}: {a} is on rank {rank} but stage {a.stage} lives on rank "
                     f"{schedule.stage_to_rank[a.stage]}: move it to that rank's list"
                 )
-            for k in _COMPLETES[kind]:
-                seen[_index(a.stage, k, a.microbatch, m)] += 1
-    for s in range(n_stages):
-        for i in range(m):
-            for k, kind in enumerate("FBW"):
-                count = seen[_index(s, k, i, m)]
-                if count != 1:
-                    state = "missing" if count == 0 else "duplicated"
+            seen.update(_completes(a))
+    for s in range(schedule.n_stages):
+        for i in range(schedule.n_microbatches):
+            for kind in ("F", "B", "W"):
+                if seen[s, kind, i] != 1:
+                    state = "missing" if seen[s, kind, i] == 0 else "duplicated"
                     raise ValueError(f"{schedule.name}: {s}{kind}{i} is {state}")
-
-
-_COMPLETES = {F: (0,), B: (1,), W: (2,), BW: (1, 2)}  # the kinds (F=0, B=1, W=2) each completes
-
-
-def _index(stage: int, kind: int, microbatch: int, m: int) -> int:
-    """A completion key (stage, kind, microbatch) as one int (m microbatches)."""
-    return (stage * 3 + kind) * m + microbatch
-
-
-def _plan(a: Action, n_stages: int, m: int) -> tuple[Action, tuple[int, ...], tuple[int, ...]]:
-    """(action, the keys it waits for, the keys it completes), keys as `_index` ints: the
-    rules of `dependencies` and `_completes`."""
-    s, i, kind = a.stage, a.microbatch, a.kind
-    if kind is F:
-        deps = (_index(s - 1, 0, i, m),) if s > 0 else ()
-    elif kind is W:
-        deps = (_index(s, 1, i, m),)
-    else:  # B, BW
-        deps = ((_index(s, 0, i, m), _index(s + 1, 1, i, m)) if s < n_stages - 1
-                else (_index(s, 0, i, m),))
-    return a, deps, tuple(_index(s, k, i, m) for k in _COMPLETES[kind])
 
 
 def timelines(schedule: Schedule, duration: Callable[[int, Action], float],
               t_comm: float = 0.0) -> list[list[tuple[float, float, Action]]]:
     """Execute every rank's list in order under the dependency rules, compute action `a` of
     rank r lasting `duration(r, a)` (the nominal costs, or a step's measured durations to
-    replay it); raise ValueError on deadlock. Per rank, its (start, end, action) tuples.
-
-    An action's times depend only on its rank's previous action and its dependencies, so the
-    order ranks are advanced in does not matter: a rank runs until an action waits for a key
-    not yet done, and is woken when that key completes."""
-    n, m = schedule.n_stages, schedule.n_microbatches
-    lists = [[_plan(a, n, m) for a in acts if a.kind in COMPUTE_KINDS]
-             for acts in schedule.actions]
-    finish: dict[int, float] = {}  # completed key → its finish time
-    where: dict[int, int] = {}  # completed key → the rank it ran on
-    waiting: dict[int, list[int]] = {}  # key → ranks whose next action waits for it
+    replay it); raise ValueError on deadlock. Per rank, its (start, end, action) tuples."""
+    lists = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
+    done: dict[Key, tuple[float, int]] = {}  # key → (finish time, rank)
+    free = [0.0] * schedule.n_ranks
+    ptr = [0] * schedule.n_ranks
     timeline: list[list] = [[] for _ in lists]
-    ptr = [0] * len(lists)
-    ready = list(range(len(lists)))
-    while ready:
-        rank = ready.pop()
-        acts, out = lists[rank], timeline[rank]
-        start = out[-1][1] if out else 0.0  # the rank is free from its last finish
-        while ptr[rank] < len(acts):
-            a, deps, completes = acts[ptr[rank]]
-            missing = next((d for d in deps if d not in finish), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                break
-            for d in deps:
-                t = finish[d] + t_comm if where[d] != rank else finish[d]
-                if t > start:
-                    start = t
-            end = start + duration(rank, a)
-            for k in completes:
-                finish[k], where[k] = end, rank
-                if k in waiting:
-                    ready += waiting.pop(k)
-            out.append((start, end, a))
-            start = end
-            ptr[rank] += 1
-    stuck = {r: str(acts[ptr[r]][0]) for r, acts in enumerate(lists) if ptr[r] < len(acts)}
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(lists):
+            while ptr[rank] < len(acts):
+                a = acts[ptr[rank]]
+                deps = dependencies(a, n_stages=schedule.n_stages)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[rank]] + [
+                    done[d][0] + (t_comm if done[d][1] != rank else 0.0) for d in deps
+                ])
+                end = start + duration(rank, a)
+                done.update({k: (end, rank) for k in _completes(a)})
+                timeline[rank].append((start, end, a))
+                free[rank], ptr[rank], progress = end, ptr[rank] + 1, True
+    stuck = {r: str(acts[ptr[r]]) for r, acts in enumerate(lists) if ptr[r] < len(acts)}
     if stuck:
         raise ValueError(
             f"{schedule.name}: deadlock, ranks blocked at {stuck}: reorder so each action's "
