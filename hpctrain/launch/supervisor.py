@@ -76,12 +76,14 @@ def supervise(procs: list, pipes: list[Connection], *, run_dir: Path, stop_grace
     ended: dict[int, int] = {}  # rank → exit code, of the ranks that ended badly by themselves
     sig.install()
     try:
-        while any(p.is_alive() for p in procs) or open_pipes:
+        while True:
             _receive(open_pipes, results, procs)
+            # one look at the exit codes per round: the loop's end and the verdict agree (a rank
+            # that exits between two looks cannot end the loop unseen)
+            codes = [p.exitcode for p in procs]
             now = time.monotonic()
             if deadline is None or now <= deadline:  # not yet killed by this supervisor
-                ended.update((r, p.exitcode) for r, p in enumerate(procs)
-                             if p.exitcode not in (None, 0))
+                ended.update((r, c) for r, c in enumerate(codes) if c not in (None, 0))
             if sig.seen and deadline is None:
                 name = signal.Signals(sig.seen[0]).name
                 log.warning("%s: stopping the ranks at their next step boundary, with a "
@@ -91,10 +93,11 @@ def supervise(procs: list, pipes: list[Connection], *, run_dir: Path, stop_grace
             if len(sig.seen) > 1 and signal.SIGINT in sig.seen[1:]:
                 _kill(procs)
             if failed is None and not sig.seen:
-                failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)),
-                              None)
+                failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
                 if failed is not None:
                     deadline = now + fail_grace_s
+            if all(c is not None for c in codes) and not open_pipes:
+                break
             if deadline is not None and now > deadline:
                 _kill(procs)
     finally:

@@ -61,3 +61,60 @@ def test_the_hang_report_is_the_cause_when_the_supervisor_killed_the_stuck_rank(
 def test_an_error_exit_comes_before_a_hang_report(tmp_path):
     message = _supervise([(_exit, (EXIT_HANG, 0.0)), (_exit, (1, 0.3))], tmp_path)
     assert message.startswith("rank 1 (pid ") and "exited with status 1" in message, message
+
+
+class _Rank:
+    """A rank that has sent `result` and exits with `code` at the `dies_at`-th look at its
+    state (is_alive, exitcode) after its result was read: every moment a real rank can exit
+    at, relative to the supervisor's looks, made deterministic."""
+
+    def __init__(self, result, code: int, dies_at: int) -> None:
+        reader, writer = mp.Pipe(duplex=False)
+        writer.send(result)
+        writer.close()
+        self.conn, self.code, self.dies_at = reader, code, dies_at
+        self.read, self.looks, self.pid = False, 0, os.getpid()
+        self._death_r, self._death_w = os.pipe()  # readable once dead: the sentinel
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def recv(self):
+        self.read = True
+        return self.conn.recv()
+
+    def _alive(self) -> bool:
+        if self.read and self._death_w is not None:
+            self.looks += 1
+            if self.looks > self.dies_at:
+                os.close(self._death_w)
+                self._death_w = None
+        return self._death_w is not None
+
+    @property
+    def sentinel(self) -> int:
+        return self._death_r
+
+    def is_alive(self) -> bool:
+        return self._alive()
+
+    @property
+    def exitcode(self):
+        return None if self._alive() else self.code
+
+    def kill(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dies_at", range(5))
+def test_ranks_that_stop_right_after_their_message_stop_the_job(tmp_path, dies_at):
+    # both ranks stop on purpose (exit 3 after their message); whenever they exit relative to
+    # the supervisor's looks, the job stops with their message and status (CI once saw exit 0)
+    stop = {"stopped": "step 2: non-finite grad norm", "exit_code": 3}
+    ranks = [_Rank(stop, 3, dies_at), _Rank(stop, 3, dies_at)]
+    with pytest.raises(JobStopped) as stopped:
+        supervise(ranks, ranks, run_dir=tmp_path, stop_grace_s=5, fail_grace_s=1.0)
+    assert str(stopped.value) == stop["stopped"] and stopped.value.exit_code == 3
