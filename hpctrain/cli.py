@@ -18,6 +18,7 @@ from hydra.errors import MissingConfigException, OverrideParseException
 
 from hpctrain.config_build import Problem, format_problems, unknown_key
 from hpctrain.schema import SCHEMAS
+from hpctrain.validate_keys import RANGES
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 _FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
@@ -67,28 +68,47 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def group_help(name: str) -> str | None:
-    """`python -m hpctrain <group> --help` (or `<group>.<key> --help`): each key's meaning,
-    default and choices from the dataclass, and the group's presets; None for no such group."""
+    """`python -m hpctrain <group> --help` (or `<group>.<key> --help`, nested keys such as
+    `model.moe` included): each key's meaning, default, choices and range from the schema, and
+    the group's presets; None for no such group or key."""
     group, _, key = name.partition(".")
     cls = SCHEMAS.get(group)
     if cls is None:
         return None
-    hints, notes = typing.get_type_hints(cls), field_comments(cls)
-    rows = [f for f in dataclasses.fields(cls) if not key or f.name == key]
+    rows = _key_rows(group, cls, key)
     if not rows:
         return None
     lines = [f"{group}: {(cls.__doc__ or '').strip().splitlines()[0]}"
              if cls.__doc__ and not cls.__doc__.startswith(cls.__name__) else f"{group}:"]
-    for f in rows:
-        choices = _choices(hints[f.name])
-        lines.append(f"  {group}.{f.name} = {_default(f)}"
-                     + (f"   choices: {' | '.join(map(_yaml, choices))}" if choices else ""))
-        if notes.get(f.name):
-            lines.append(f"      {notes[f.name]}")
+    lines += rows
     presets = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
     if presets and not key:
         lines.append(f"presets: {group}={' | '.join(presets)}")
     return "\n".join(lines)
+
+
+def _key_rows(prefix: str, cls: type, key: str) -> list[str]:
+    """The help lines of `cls`'s keys under `prefix` (only `key` and what lies under it when
+    given), nested dataclasses expanded key by key."""
+    hints, notes = typing.get_type_hints(cls), field_comments(cls)
+    head, _, rest = key.partition(".")
+    lines = []
+    for f in dataclasses.fields(cls):
+        if head and f.name != head:
+            continue
+        full = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += _key_rows(full, hints[f.name], rest)
+            continue
+        if rest:
+            continue
+        choices, rule = _choices(hints[f.name]), RANGES.get(full)
+        lines.append(f"  {full} = {_default(f)}"
+                     + (f"   choices: {' | '.join(map(_yaml, choices))}" if choices else "")
+                     + (f"   range: {rule.describe()}" if rule else ""))
+        if notes.get(f.name):
+            lines.append(f"      {notes[f.name]}")
+    return lines
 
 
 def hydra_error_message(err: BaseException) -> str | None:

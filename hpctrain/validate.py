@@ -136,6 +136,11 @@ def check_model_shape(c: Config) -> list[str]:
                     f"stages of parallel.pp={c.parallel.pp}, parallel.schedule="
                     f"{c.parallel.schedule}, parallel.virtual_stages={c.parallel.virtual_stages}:"
                     f" choose pp and virtual_stages whose product divides the layer count")
+    r = m.rope_scaling
+    if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+        errs.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor:g} must exceed "
+                    f"model.rope_scaling.low_freq_factor={r.low_freq_factor:g} (llama3 blends "
+                    "the frequencies between them): e.g. 1.0 and 4.0, as Llama 3.1")
     if c.train.seq_len > m.max_seq_len:
         errs.append(f"train.seq_len={c.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}:"
                     f" lower train.seq_len or raise model.max_seq_len")

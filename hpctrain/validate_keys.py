@@ -47,14 +47,7 @@ def choices(c: Config) -> dict[str, tuple[object, tuple]]:
     registry = {"model.attention": tuple(ATTENTION_BACKENDS),
                 "parallel.schedule": tuple(SCHEDULES)}
     table = {**literal_table(), **registry}
-    return {key: (_value(c, key), allowed) for key, allowed in table.items()}
-
-
-def _value(c: Config, key: str) -> object:
-    if key == "task":
-        return c.task
-    group, name = key.split(".")
-    return getattr(getattr(c, group), name)
+    return {key: (key_value(c, key), allowed) for key, allowed in table.items()}
 
 
 def choice_problems(c: Config) -> list[Problem]:
@@ -113,12 +106,16 @@ def fraction(*, lo_open: bool = False, hi_open: bool = False, fix: str | None = 
 
 
 _COUNT = "set it to 1 or more"
+MAX_TIMEOUT_S = 7 * 24 * 3600
 RANGES: dict[str, Range] = {
     "cluster.nodes": positive(),
     "cluster.procs_per_node": positive("one rank per GPU (or CPU process): e.g. "
                                        "cluster.procs_per_node=1"),
-    "cluster.timeout_s": positive("a stuck collective fails after this many seconds: e.g. "
-                                  "cluster.timeout_s=300"),
+    # torch turns the timeout into int64 nanoseconds (~292 years: beyond it, an immediate false
+    # hang); a week is far past any collective or checkpoint load and far inside that
+    "cluster.timeout_s": Range(lo=0, hi=MAX_TIMEOUT_S, lo_open=True,
+                               fix="a stuck collective fails after this many seconds: e.g. "
+                                   "cluster.timeout_s=300 (at most a week)"),
     "cluster.threads_per_proc": positive(),
     "cluster.time_min": positive("the Slurm time limit in minutes: e.g. cluster.time_min=60"),
     "cluster.gpus_per_node": at_least(0, "set it to 0 (no --gres) or the GPUs of a node"),
@@ -181,6 +178,22 @@ RANGES: dict[str, Range] = {
     "model.max_seq_len": Range(lo=2, fix="e.g. model.max_seq_len=256"),
     "model.rope_theta": positive("e.g. model.rope_theta=10000"),
     "model.norm_eps": positive("e.g. model.norm_eps=1e-5"),
+    "model.moe.num_experts": at_least(0, "set it to 0 (a dense model) or the routed expert "
+                                         "count, e.g. 8"),
+    "model.moe.top_k": positive("the experts each token goes to: e.g. model.moe.top_k=2"),
+    "model.moe.every": positive("1 makes every block an MoE block, 2 every second one"),
+    "model.moe.shared_experts": at_least(0, "set it to 0 (none) or e.g. 1"),
+    "model.moe.expert_ffn_dim": at_least(0, "set it to 0 (the model's ffn_dim) or an expert's "
+                                            "hidden size, e.g. 1408"),
+    "model.moe.aux_loss_coef": at_least(0, "set it to 0 (no load-balancing loss) or e.g. 0.01"),
+    "model.moe.z_loss_coef": at_least(0, "set it to 0 (no router z-loss) or e.g. 0.001"),
+    "model.moe.capacity_factor": at_least(0, "set it to 0 (dropless) or e.g. 1.25"),
+    "model.rope_scaling.factor": at_least(1, "the context extension factor: e.g. 8.0"),
+    "model.rope_scaling.low_freq_factor": positive("e.g. model.rope_scaling.low_freq_factor=1.0"),
+    "model.rope_scaling.high_freq_factor": positive("e.g. model.rope_scaling.high_freq_factor="
+                                                    "4.0"),
+    "model.rope_scaling.original_max_seq_len": positive("the pre-training context length: e.g. "
+                                                        "8192"),
 }
 PLAN_RANGES: dict[str, Range] = {
     "plan.n_devices": positive("or null for nodes × procs_per_node"),
@@ -212,5 +225,12 @@ def range_problems(values: dict[str, Any], table: dict[str, Range]) -> list[Prob
 
 def config_range_problems(c: Config) -> list[Problem]:
     """Every key of `RANGES` whose value in `c` is outside its range."""
-    values = {key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for key in RANGES}
-    return range_problems(values, RANGES)
+    return range_problems({key: key_value(c, key) for key in RANGES}, RANGES)
+
+
+def key_value(c: Config, key: str) -> Any:
+    """The value of a dotted key (`model.moe.top_k`) of `c`."""
+    value: Any = c
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value

@@ -21,6 +21,10 @@ def check_moe(c: Config) -> list[str]:
             errs.append(f"parallel.ep={p.ep} needs routed experts but model.moe.num_experts=0: "
                         "set parallel.ep=1, or model.moe.num_experts to a multiple of ep")
         return errs
+    if m.every > c.model.n_layers:
+        errs.append(f"model.moe.every={m.every} exceeds model.n_layers={c.model.n_layers}, so no "
+                    f"block would have experts: choose every ≤ {c.model.n_layers} (1: every "
+                    "block), or model.moe.num_experts=0 for a dense model")
     if m.top_k > m.num_experts:
         errs.append(f"model.moe.top_k={m.top_k} exceeds model.moe.num_experts="
                     f"{m.num_experts}: choose top_k ≤ num_experts")

@@ -76,9 +76,11 @@ def test_group_help_gives_meaning_default_and_choices():
                          capture_output=True, text=True, timeout=120)
     assert "`python -m hpctrain <group> --help`" in top.stdout, top.stdout[-2000:]
     text = group_help("train.eval_samples")
-    assert text.splitlines()[1] == "  train.eval_samples = 16"
+    assert text.splitlines()[1] == "  train.eval_samples = 16   range: > 0"
     assert "split over the dp ranks" in text
-    assert group_help("nosuch") is None
+    assert group_help("model.moe.top_k").splitlines()[1:] == ["  model.moe.top_k = 2   range: > 0"]
+    assert "  model.rope_scaling.factor = 8.0   range: ≥ 1" in group_help("model").splitlines()
+    assert group_help("nosuch") is None and group_help("model.moe.nosuch") is None
 
 
 def test_every_task_says_where_its_outputs_went(tmp_path):

@@ -26,7 +26,10 @@ BAD = [
                                     "cluster.procs_per_node=1"]),
     (["cluster.nodes=0"], ["cluster.nodes=0 must be > 0", "1 or more"]),
     (["cluster.nodes=2"], ["cluster.nodes=2", "set cluster.nodes=1", "cluster=slurm"]),
-    (["cluster.timeout_s=-5"], ["cluster.timeout_s=-5 must be > 0", "cluster.timeout_s=300"]),
+    (["cluster.timeout_s=-5"], ["cluster.timeout_s=-5 must be in (0, 604800]",
+                                "cluster.timeout_s=300"]),
+    (["cluster.timeout_s=99999999999"], ["cluster.timeout_s=99999999999 must be in (0, 604800]",
+                                         "at most a week"]),
     (["cluster.threads_per_proc=0"], ["cluster.threads_per_proc=0", "1 or more"]),
     (["cluster.time_min=0"], ["cluster.time_min=0", "cluster.time_min=60"]),
     (["cluster.gpus_per_node=-1"], ["cluster.gpus_per_node=-1 must be ≥ 0", "set it to 0"]),
@@ -215,6 +218,24 @@ BAD = [
     (["model.dim=36"], ["model.dim=36 / model.n_heads=4 = 9 is an odd head dimension",
                         "even quotient"]),
     (["model.n_heads=3"], ["model.dim=128 is not divisible by model.n_heads=3"]),
+    (["model.moe.num_experts=-4"], ["model.moe.num_experts=-4 must be ≥ 0", "a dense model"]),
+    (["model=debug_moe", "model.moe.every=5"], ["model.moe.every=5 exceeds model.n_layers=4",
+                                                "choose every ≤ 4"]),
+    (["model=debug_moe", "model.moe.every=0"], ["model.moe.every=0 must be > 0", "every block"]),
+    (["model=debug_moe", "model.moe.top_k=-1"], ["model.moe.top_k=-1 must be > 0",
+                                                 "model.moe.top_k=2"]),
+    (["model=debug_moe", "model.moe.top_k=0"], ["model.moe.top_k=0 must be > 0"]),
+    (["model=debug_moe", "model.moe.expert_ffn_dim=-8"], ["model.moe.expert_ffn_dim=-8 must be "
+                                                          "≥ 0", "the model's ffn_dim"]),
+    (["model=debug_moe", "model.moe.shared_experts=-1"], ["model.moe.shared_experts=-1"]),
+    (["model=debug_moe", "model.moe.aux_loss_coef=nan"],
+     ["model.moe.aux_loss_coef=nan must be a finite number ≥ 0", "no load-balancing loss"]),
+    (["model=debug_moe", "model.moe.z_loss_coef=-1"], ["model.moe.z_loss_coef=-1.0 must be ≥ 0"]),
+    (["model=debug_moe", "model.moe.capacity_factor=-1"], ["capacity_factor=-1.0", "dropless"]),
+    (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=0.5"],
+     ["model.rope_scaling.factor=0.5 must be ≥ 1"]),
+    (["model.rope_scaling.type=llama3", "model.rope_scaling.high_freq_factor=1"],
+     ["high_freq_factor=1 must exceed model.rope_scaling.low_freq_factor=1", "1.0 and 4.0"]),
     (["model.attention=magic"], ["model.attention='magic'", "'sdpa'"]),
     (["model.dim=abc"], ["model.dim='abc' should be int", "give a whole number"]),
     (["~model.dim"], ["model.dim is missing", "set model.dim=<int>"]),
@@ -319,12 +340,20 @@ def _numeric(hint) -> bool:
     return any(a in (int, float) for a in args)
 
 
+def _numeric_keys(prefix: str, cls) -> list[str]:
+    """Every numeric key of a config dataclass, nested groups (model.moe.*) included."""
+    hints, keys = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _numeric_keys(f"{prefix}.{f.name}", hints[f.name])
+        elif _numeric(hints[f.name]):
+            keys.append(f"{prefix}.{f.name}")
+    return keys
+
+
 @pytest.mark.parametrize("group", sorted(_GROUPS))
 def test_every_numeric_key_has_a_range(group):
-    cls = _GROUPS[group]
-    hints = typing.get_type_hints(cls)
-    numeric = [f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name])]
-    missing = [f"{group}.{name}" for name in numeric if f"{group}.{name}" not in RANGES]
+    missing = [key for key in _numeric_keys(group, _GROUPS[group]) if key not in RANGES]
     assert not missing, f"add these keys to hpctrain.validate_keys.RANGES: {missing}"
 
 
