@@ -80,8 +80,11 @@ class ParallelConfig:
     grad_comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # on the wire; fp32 accumulation
     timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
     # parallel=auto: the planner chooses every degree, the schedule, ZeRO and activation
-    # checkpointing at launch (hpctrain.plan.auto); the values above are replaced.
+    # checkpointing at launch (hpctrain.plan.auto); the values above are replaced, except the
+    # keys named in `fixed`, which the search keeps as given (parallel.<key> or
+    # train.activation_checkpointing given on the command line with parallel=auto lands here).
     auto: bool = False
+    fixed: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -17,17 +18,19 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hpctrain.config import Config, collect
-from hpctrain.config_build import format_problems
-from hpctrain.plan.auto import choose_layout, fit_problems
+from hpctrain.config_build import Problem, format_problems
+from hpctrain.plan.auto import FIXABLE, choose_layout, fit_problems
 from hpctrain.validate import problems_of, validate
 
 
-def parse(cfg, *, run_dir: str | None = None) -> Config:
+def parse(cfg, *, run_dir: str | None = None, overrides: list[str] | None = None) -> Config:
     """Hydra DictConfig → validated, frozen Config. Raises one ValueError listing every
     mistake (hpctrain.validate), each with its fix. Without `run_dir`, Hydra's output dir (or
     the working directory outside Hydra); in a multirun, logger.group defaults to the sweep's
     `sweep_group`. parallel=auto is resolved here (`hpctrain.plan.auto.choose_layout`), and a
-    training layout predicted not to fit is refused (`fit_problems`, unless plan.force)."""
+    training layout predicted not to fit is refused (`fit_problems`, unless plan.force).
+    `overrides` (default: Hydra's, of this job): with parallel=auto, the layout keys among them
+    are kept as given (`parallel.fixed`)."""
     group = None
     if run_dir is None:
         run_dir, group = _hydra_run_dir(), _hydra_sweep_group()
@@ -38,6 +41,9 @@ def parse(cfg, *, run_dir: str | None = None) -> Config:
     if group is not None and config.logger.group is None:
         config = dataclasses.replace(
             config, logger=dataclasses.replace(config.logger, group=group))
+    config, fixed_errors = _with_fixed(config, _hydra_overrides() if overrides is None
+                                       else overrides)
+    problems = [*problems, *fixed_errors]
     if config.parallel.auto and not problems and config.task != "simulate":
         config = choose_layout(config, accept=runnable_problems)[0]
     validate(config, found=problems)
@@ -45,6 +51,34 @@ def parse(cfg, *, run_dir: str | None = None) -> Config:
     if refused:
         raise ValueError(format_problems(refused))
     return config
+
+
+_OVERRIDE_KEY = re.compile(r"^\+{0,2}([\w.]+)=")
+
+
+def _with_fixed(config: Config, overrides: list[str]) -> tuple[Config, list[Problem]]:
+    """`config` whose parallel.fixed also holds the layout keys of `overrides` (parallel=auto
+    only), and the problems of parallel.fixed: names outside FIXABLE, or set without auto."""
+    given = [m.group(1) for o in overrides if (m := _OVERRIDE_KEY.match(o))]
+    p = config.parallel
+    if not p.auto:
+        if p.fixed:
+            return config, [Problem("parallel.fixed", f"parallel.fixed={list(p.fixed)} only "
+                                    "applies to parallel=auto: remove it, or add parallel=auto")]
+        return config, []
+    fixed = tuple(dict.fromkeys([*p.fixed, *(k for k in given if k in FIXABLE)]))
+    bad = [k for k in fixed if k not in FIXABLE]
+    if bad:
+        return config, [Problem("parallel.fixed", f"parallel.fixed has {bad}: choose from "
+                                f"{', '.join(FIXABLE)}")]
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, fixed=fixed)), []
+
+
+def _hydra_overrides() -> list[str]:
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not inside a Hydra run
+        return []
 
 
 def runnable_problems(config: Config) -> list[str]:

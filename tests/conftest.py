@@ -63,7 +63,7 @@ def make_config(overrides: list[str] | None = None, *, run_dir: Path | str = "."
     """A parsed, validated Config (ValueError on a bad one)."""
     from hpctrain.parse import parse
 
-    return parse(compose(overrides), run_dir=str(run_dir))
+    return parse(compose(overrides), run_dir=str(run_dir), overrides=list(overrides or ()))
 
 
 _worlds: dict[int, World] = {}

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         composed = compose(config_name="config", overrides=list(a.overrides))
     try:
-        cfg = parse(composed, run_dir=str(run_dir))
+        cfg = parse(composed, run_dir=str(run_dir), overrides=list(a.overrides))
         script = render_sbatch(cfg, a.overrides, job_name=a.job_name)
     except ValueError as err:
         sys.stderr.write(f"error: {err}\n")

@@ -39,7 +39,7 @@ def parsed_points(config: DictConfig, *, run_dir: str) -> list[Any]:
     for i, overrides in enumerate(points):
         try:
             parsed.append(parse(compose(config_name="config", overrides=overrides),
-                                run_dir=run_dir))
+                                run_dir=run_dir, overrides=overrides))
         except ValueError as err:
             errors.append(f"point {i} ({' '.join(overrides) or 'no overrides'}): {err}")
     if errors:

@@ -34,11 +34,20 @@ from hpctrain.config import Config
 from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.calibrate import local_cluster
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.layout import Layout
 from hpctrain.plan.predict import predicted_peak
 from hpctrain.plan.search import GIB, Candidate, evaluate_layout, search_layouts
 from hpctrain.plan.task import cluster_spec, layout_of, plan_settings
 
 log = logging.getLogger(__name__)
+# Keys the search chooses, which parallel.fixed may keep as given: the Layout's fields and the
+# recompute. schedule and virtual_stages bind pipelined layouts (pp > 1) only, sp tensor-parallel
+# ones (tp > 1): a layout without a pipeline has no schedule to keep.
+FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+           "parallel.zero", "parallel.schedule", "parallel.virtual_stages", "parallel.sp",
+           "parallel.offload", "parallel.cp_comm", "parallel.dp_replicate",
+           "train.activation_checkpointing")
+_ONLY_WHEN = {"schedule": "pp", "virtual_stages": "pp", "sp": "tp"}
 NOMINAL_CPU_FLOPS = 50e9  # only ranks layouts; the time model's own numbers need a device row
 Accept = Callable[[Config], list[str]]
 
@@ -74,6 +83,31 @@ def _usable(cfg: Config, cluster: ClusterSpec) -> float:
         1 - plan_settings(cfg).headroom)
 
 
+def fixed_values(cfg: Config) -> dict[str, Any]:
+    """key → value of every key parallel.fixed keeps (`FIXABLE`), as `cfg` gives it."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+            for key in cfg.parallel.fixed}
+
+
+def _keeps(cfg: Config) -> Callable[[Layout, str], bool] | None:
+    """The search's filter: (layout, recompute) pairs that keep every fixed value."""
+    fixed = fixed_values(cfg)
+    if not fixed:
+        return None
+
+    def keeps(layout: Layout, recompute: str, key: str, value: Any) -> bool:
+        group, name = key.split(".")
+        if group == "train":
+            return recompute == value
+        unbound = name in _ONLY_WHEN and getattr(layout, _ONLY_WHEN[name]) == 1
+        return unbound or getattr(layout, name) == value
+
+    def where(layout: Layout, recompute: str) -> bool:
+        return all(keeps(layout, recompute, k, v) for k, v in fixed.items())
+
+    return where
+
+
 def with_layout(cfg: Config, c: Candidate) -> Config:
     """`cfg` running candidate `c`: its whole layout (every axis, schedule, ZeRO, offload) and
     its recompute."""
@@ -95,13 +129,16 @@ def candidates(cfg: Config, *, accept: Accept | None = None) -> list[Candidate]:
         schedules=list(settings.schedules), zero_stages=list(settings.zero_stages),
         dp_overlap=settings.dp_overlap,
         context_parallel=[d for d in range(1, n + 1) if n % d == 0], exact_top=settings.top,
-        accept=None if accept is None else (lambda c: not accept(with_layout(cfg, c))))
+        accept=None if accept is None else (lambda c: not accept(with_layout(cfg, c))),
+        where=_keeps(cfg))
     if any(c.fits for c in found):
         return found
+    where = _keeps(cfg) or (lambda layout, recompute: True)
     kw = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
               seq_len=t.seq_len, precision=t.precision, dp_overlap=settings.dp_overlap)
     offloaded = [evaluate_layout(cfg.model, budget, dataclasses.replace(c.layout, offload="cpu"),
                                  c.recompute, **kw) for c in found if c.layout.pp == 1]
+    offloaded = [c for c in offloaded if where(c.layout, c.recompute)]
     fitting = sorted((c for c in offloaded if c.fits), key=lambda c: c.time.step_time_s)
     return fitting + found
 
@@ -180,6 +217,11 @@ def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Ca
     """`cfg` with the chosen layout, and the ranking (module docstring). ValueError with the
     closest candidates' numbers when no layout fits and runs."""
     order = ranked(cfg, accept=accept)
+    if not order and cfg.parallel.fixed:
+        given = ", ".join(f"{k}={v}" for k, v in fixed_values(cfg).items())
+        raise ValueError(f"parallel=auto: no layout of {cfg.model.name} on "
+                         f"{cfg.cluster.world_size} rank(s) keeps {given}: change or drop them "
+                         "and the search chooses")
     refused = {why for c, why in order if c.fits}
     if order and order[0][1] != "best" and len(refused) == 1:  # not the layouts' fault
         raise ValueError(f"parallel=auto: every layout that fits is refused: {refused.pop()}")
@@ -189,11 +231,20 @@ def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Ca
         usable = _usable(cfg, planning_cluster(cfg)) / GIB
         raise ValueError(
             f"parallel=auto found no layout of {cfg.model.name} on {cfg.cluster.world_size} "
-            f"rank(s) that fits {usable:.3g} GiB per rank (after plan.headroom="
-            f"{plan_settings(cfg).headroom}) and that hpctrain runs; closest: {closest}. "
+            f"rank(s){_keeping(cfg)} that fits {usable:.3g} GiB per rank (after plan.headroom="
+            f"{plan_settings(cfg).headroom}) and that hpctrain runs; closest: "
+            f"{closest or 'none'}. "
             "Add ranks (cluster.nodes / cluster.procs_per_node), lower "
             "train.micro_batch_size, or raise plan.memory_limit_gb")
     return with_layout(cfg, order[0][0]), order
+
+
+def _keeping(cfg: Config) -> str:
+    fixed = fixed_values(cfg)
+    if not fixed:
+        return ""
+    given = ", ".join(f"{k}={v}" for k, v in fixed.items())
+    return f" keeping {given} as given (drop them to search every layout)"
 
 
 def fit_problems(cfg: Config, *, accept: Accept) -> list[str]:
@@ -240,9 +291,10 @@ def write_plan(cfg: Config, *, accept: Accept, top: int | None = None) -> dict[s
                       f"{r['step_time_s']:.4g} s  {r['memory_total_bytes'] / GIB:.3g} GiB  "
                       f"{r['reason']}" for i, r in enumerate(rows[:top], 1))
     cluster = planning_cluster(cfg)
-    log.info("parallel=auto chose %s on %d rank(s) of %s; top %d:\n%s", rows[0]["layout"],
-             cfg.cluster.world_size, cluster.device.name, top, table)
-    doc = {"auto": True, "chosen": rows[0], "top": rows[:top], "n_candidates": len(rows),
+    log.info("parallel=auto chose %s on %d rank(s) of %s%s; top %d:\n%s", rows[0]["layout"],
+             cfg.cluster.world_size, cluster.device.name, _keeping(cfg), top, table)
+    doc = {"auto": True, "fixed": fixed_values(cfg), "chosen": rows[0], "top": rows[:top],
+           "n_candidates": len(rows),
            "device": cluster.device.name, "memory_limit_bytes": memory_limit(cfg, cluster),
            "headroom": plan_settings(cfg).headroom, "world_size": cfg.cluster.world_size}
     out = Path(cfg.run_dir) / "plan.json"

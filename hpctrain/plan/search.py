@@ -153,6 +153,7 @@ def search_layouts(
     attended_per_token: float | None = None, context_parallel: Sequence[int] = (1,),
     fp8: bool = False, exact_top: int | None = None,
     accept: Callable[[Candidate], bool] | None = None,
+    where: Callable[[Layout, str], bool] | None = None,
 ) -> list[Candidate]:
     """All valid candidates, fitting ones fastest first, each with its reason (module doc).
     `context_parallel`: cp degrees to try; those not dividing seq_len into 2·cp chunks are
@@ -162,7 +163,8 @@ def search_layouts(
     given) are known and the next bound is no faster than the slowest of those; the rest keep
     their bound (`exact=False`) and are listed after the simulated ones. The winners are the
     same as simulating everything; the pipeline simulator runs for a few candidates instead
-    of thousands (llama3_70b on 64 H100s: 15 s instead of more than 25 minutes)."""
+    of thousands (llama3_70b on 64 H100s: 15 s instead of more than 25 minutes). `where`
+    (layout, recompute) → bool limits the search to the pairs it takes."""
     if n_devices < 1:
         raise ValueError(f"n_devices={n_devices} must be >= 1")
     layouts = enumerate_layouts(
@@ -177,7 +179,7 @@ def search_layouts(
               fp8=fp8)
     exact = exact_top is None
     scored = [evaluate_layout(model, cluster, lay, r, **kw, exact=exact)
-              for lay in layouts for r in recomputes]
+              for lay in layouts for r in recomputes if where is None or where(lay, r)]
     order = {r: i for i, r in enumerate(RECOMPUTES)}
 
     def rank(c: Candidate):
