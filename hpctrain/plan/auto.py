@@ -13,11 +13,13 @@ set (`plan.task.cluster_spec`); otherwise this machine as a nominal CPU device (
 the LOCAL_* gloo links) whose memory is plan.memory_limit_gb, or the host's RAM shared by the
 node's ranks. Nothing is measured, so the choice cannot differ between ranks.
 
-Memory limit (`memory_limit`): plan.memory_limit_gb, else the accelerator's memory; a layout
+Memory limit (`memory_limit`): plan.memory_limit_gb, else the accelerator's memory, else for
+CPU ranks launched on this machine its physical memory shared by them; a layout
 fits when its predicted peak (model states + activations + buffers, `plan.memory`) is at most
 (1 − plan.headroom) × the limit. `fit_problems` refuses a hand-written layout above it before
 any rank starts, naming the numbers and the fastest layout that fits; plan.force=true runs it
-anyway. A CPU run with no plan.memory_limit_gb has no limit to refuse against.
+anyway. A CPU run under Slurm with no plan.memory_limit_gb has no limit to refuse against
+(the node's memory is not known at launch).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.config import Config
+from hpctrain.distributed.device import resolve_device_type
 from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.calibrate import local_cluster
 from hpctrain.plan.cluster import ClusterSpec
@@ -58,23 +61,48 @@ def planning_cluster(cfg: Config) -> ClusterSpec:
     if c.accelerator is not None or c.calibration is not None:
         return cluster_spec(cfg)
     limit = plan_settings(cfg).memory_limit_gb
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, c.procs_per_node)
     device = DeviceSpec(name="cpu (nominal)", bf16_flops=NOMINAL_CPU_FLOPS,
                         fp16_flops=NOMINAL_CPU_FLOPS, fp32_flops=NOMINAL_CPU_FLOPS,
-                        memory_bytes=int(limit * GIB) if limit else int(ram),
+                        memory_bytes=int(limit * GIB) if limit else host_bytes_per_rank(cfg),
                         hbm_bandwidth=float("nan"))
     return local_cluster(device, gpus_per_node=c.procs_per_node,
                          achievable_fraction=c.achievable_fraction)
 
 
+def host_bytes_per_rank(cfg: Config) -> int:
+    """This host's physical memory shared by the node's ranks."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, cfg.cluster.procs_per_node)
+
+
+def _on_this_host_cpu(cfg: Config) -> bool:
+    """The ranks run on this machine's CPUs: its memory is theirs (a Slurm node's is unknown
+    here)."""
+    return (cfg.cluster.launcher == "local" and cfg.cluster.accelerator is None
+            and resolve_device_type(cfg.cluster.device) == "cpu")
+
+
 def memory_limit(cfg: Config, cluster: ClusterSpec) -> float | None:
-    """Bytes one rank may use, before headroom; None when there is nothing to check against."""
+    """Bytes one rank may use, before headroom: plan.memory_limit_gb, the accelerator's
+    memory, or for CPU ranks on this machine its memory shared by them; None when there is
+    nothing to check against."""
     limit = plan_settings(cfg).memory_limit_gb
     if limit is not None:
         return limit * GIB
     if cfg.cluster.accelerator is not None:
         return float(cluster.device.memory_bytes)
+    if _on_this_host_cpu(cfg):
+        return float(host_bytes_per_rank(cfg))
     return None
+
+
+def _limit_source(cfg: Config) -> str:
+    if plan_settings(cfg).memory_limit_gb is not None:
+        return "plan.memory_limit_gb"
+    if cfg.cluster.accelerator is not None:
+        return f"the memory of cluster.accelerator={cfg.cluster.accelerator}"
+    return (f"this host's memory shared by cluster.procs_per_node={cfg.cluster.procs_per_node}"
+            " ranks")
 
 
 def _usable(cfg: Config, cluster: ClusterSpec) -> float:
@@ -262,14 +290,16 @@ def fit_problems(cfg: Config, *, accept: Accept) -> list[str]:
         better = choose_layout(cfg, accept=accept)[1][0][0]
         fix = f"use parallel=auto (it would run {better.layout.describe()} {better.recompute})"
     except ValueError:
-        fix = "add ranks or lower train.micro_batch_size (no layout of this job fits)"
+        fix = ("make the model smaller or lower train.micro_batch_size (no layout of this job "
+               "fits; more ranks on this host share the same memory)" if _on_this_host_cpu(cfg)
+               else "add ranks or lower train.micro_batch_size (no layout of this job fits)")
     return [f"{layout_of(cfg).describe()} with train.activation_checkpointing="
             f"{cfg.train.activation_checkpointing} is predicted to need {mem['total'] / GIB:.3g} "
             f"GiB per rank (model states {mem['states'] / GIB:.3g}, activations "
             f"{mem['activations'] / GIB:.3g}) but "
             f"{(1 - settings.headroom):.0%} of {limit / GIB:.3g} GiB is "
-            f"{limit * (1 - settings.headroom) / GIB:.3g} GiB (plan.memory_limit_gb / the "
-            f"device, plan.headroom={settings.headroom}): {fix}, raise parallel.zero, set "
+            f"{limit * (1 - settings.headroom) / GIB:.3g} GiB ({_limit_source(cfg)}, "
+            f"plan.headroom={settings.headroom}): {fix}, raise parallel.zero, set "
             "train.activation_checkpointing=full, or plan.force=true to run it anyway"]
 
 

@@ -14,7 +14,7 @@ def test_slow_first_steps_are_announced(tmp_path):
     assert note.startswith("training steps 5..10 of train.steps=10; the first step can be slow")
     assert "train.compile=blocks compiles first" in note and "train.fp8 on a CPU" in note
     assert "train.fp8" not in first_step_note(fp8, device_type="cuda", start=0)
-    big = make_config(["model=llama3_8b"], run_dir=tmp_path)
+    big = make_config(["model=llama3_8b", "plan.force=true"], run_dir=tmp_path)  # 8B on a CPU
     assert build_note(big, device_type="cpu").endswith("this can take minutes on a CPU")
     assert "GB of fp32 weights" in build_note(big, device_type="cuda")
     assert first_step_note(make_config(["model=debug", "train=debug"], run_dir=tmp_path),
