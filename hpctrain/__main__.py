@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -15,7 +14,8 @@ from omegaconf import DictConfig
 from hpctrain import cli, schema, tasks
 from hpctrain.errors import RunStopped, end_process
 from hpctrain.launch import resolvers
-from hpctrain.metrics.redact import install_log_filter, redact_yaml_files
+from hpctrain.launch.record import hydra_record
+from hpctrain.metrics.redact import Secrets, install_log_filter
 from hpctrain.parse import parse
 
 log = logging.getLogger("hpctrain")
@@ -26,9 +26,11 @@ def main(cfg: DictConfig) -> dict | None:
     # Also here, not only below: a submitit job unpickles this function and resolves `cfg`
     # (cluster.nodes=${hpctrain.nodes:...}) without running this module's __main__ block.
     resolvers.register()
-    install_log_filter(cfg.get("cluster", {}).get("env") or {})
-    _redact_hydra_outputs()
+    secrets = Secrets.of(cfg.get("cluster", {}).get("env") or {},
+                         cfg.get("logger", {}).get("redact") or ())
+    install_log_filter(secrets)
     try:  # every user mistake ends here: one message, exit 2, no rank started
+        record = hydra_record(cfg, secrets)  # written by the run once it owns the directory
         parsed = parse(cfg)
         tasks.preflight(parsed)
     except ValueError as err:
@@ -37,7 +39,7 @@ def main(cfg: DictConfig) -> dict | None:
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
     try:
-        result = tasks.launch(parsed)
+        result = tasks.launch(parsed, record=record)
         shown = cli.format_result(parsed.task, result) if result else None
         if shown:  # results last, on stdout (logs are on stderr)
             print(shown, flush=True)
@@ -51,21 +53,6 @@ def main(cfg: DictConfig) -> dict | None:
             raise
         code = err.exit_code if isinstance(err, RunStopped) else 2
     end_process(code)
-
-
-def _redact_hydra_outputs() -> None:
-    """Hydra saved the composed config and the command line before calling us: mask secrets
-    (cluster.env entries, `...KEY=...` overrides) in those files."""
-    if not HydraConfig.initialized():
-        return
-    hc = HydraConfig.get()
-    if hc.output_subdir is None:
-        return
-    out = Path(hc.runtime.output_dir) / hc.output_subdir
-    try:
-        redact_yaml_files(out / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml"))
-    except Exception as err:  # noqa: BLE001 - masking secrets must never kill the run
-        log.warning("could not mask secrets in %s: %s", out, err)
 
 
 def _in_sweep() -> bool:

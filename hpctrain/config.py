@@ -210,6 +210,9 @@ class LoggerConfig:
     group: str | None = None
     run_name: str | None = None
     progress: Literal["auto", "rich", "plain"] = "auto"  # auto: a rich bar on a terminal
+    # Names (environment or cluster.env) whose values are masked wherever they appear, beside
+    # those that look like credentials (…KEY, …TOKEN, …PASSWD, …AUTH, …: metrics.redact).
+    redact: tuple[str, ...] = ()
 
 
 Task = Literal["train", "simulate", "bench", "plan", "prepare", "export"]

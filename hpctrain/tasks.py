@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from hpctrain.config import Config
@@ -12,7 +14,9 @@ from hpctrain.data.prepare import prepare
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.launch import preempt, rundir_lock
 from hpctrain.launch.local import launch_local
+from hpctrain.launch.record import log_to_run_dir, write_record
 from hpctrain.launch.slurm import run_slurm_task
+from hpctrain.metrics.redact import Secrets
 from hpctrain.validate import reads_data
 from hpctrain.validate_inputs import check_prepared
 
@@ -80,25 +84,37 @@ def preflight(cfg: Config) -> None:
     check_prepared(cfg, prepare(cfg.data))
 
 
-def launch(cfg: Config) -> dict[str, Any]:
+def launch(cfg: Config, *, record: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run an analytical task here, or launch the ranks (after `preflight`).
 
     Rank tasks own their run directory while they run (hpctrain.launch.rundir_lock): the
     launcher holds the lock locally, Slurm task 0 holds it in a Slurm job. A directory in use
-    by another live run raises RunDirBusy before any rank starts."""
+    by another live run raises RunDirBusy before any rank starts, and before anything is
+    written into it: the owner writes `record` (the entry point's `.hydra/` files,
+    launch.record), plan.json (parallel=auto) and its log lines only once the lock is held."""
+    secrets = Secrets.of(cfg.cluster.env, cfg.logger.redact)
     if cfg.task in ONCE_TASKS:
+        write_record(cfg.run_dir, record or {})
         return ONCE_TASKS[cfg.task](cfg)
-    first = cfg.cluster.launcher != "slurm" or os.environ.get("SLURM_PROCID") == "0"
-    if cfg.parallel.auto and first:  # the choice (made in parse) with its top five: once
-        from hpctrain.parse import runnable_problems
-        from hpctrain.plan.auto import write_plan
+    slurm = cfg.cluster.launcher == "slurm"
+    owner = not slurm or os.environ.get("SLURM_PROCID") == "0"
+    with rundir_lock.held(cfg.run_dir, enabled=owner):
+        handler = log_to_run_dir(cfg.run_dir, secrets) if owner else None
+        try:
+            if owner:
+                write_record(cfg.run_dir, record or {})
+            if cfg.parallel.auto and owner:  # the choice (made in parse) with its top five
+                from hpctrain.parse import runnable_problems
+                from hpctrain.plan.auto import write_plan
 
-        write_plan(cfg, accept=runnable_problems)
-    if cfg.cluster.launcher == "slurm":  # this process is one Slurm task (one rank)
-        with rundir_lock.held(cfg.run_dir, enabled=os.environ.get("SLURM_PROCID") == "0"):
-            return run_slurm_task(cfg, RANK_TASKS[cfg.task])
-    with rundir_lock.held(cfg.run_dir):
-        return launch_local(cfg, RANK_TASKS[cfg.task])
+                write_plan(cfg, accept=runnable_problems)
+            if slurm:  # this process is one Slurm task (one rank)
+                return run_slurm_task(cfg, RANK_TASKS[cfg.task])
+            return launch_local(cfg, RANK_TASKS[cfg.task])
+        finally:
+            if handler is not None:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
 
 
 def run(cfg: Config) -> dict[str, Any]:

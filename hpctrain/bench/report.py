@@ -17,6 +17,7 @@ from hpctrain.bench import summary as S
 from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.outliers import Finding, exclude_line, find_outliers, nodes_to_exclude
 from hpctrain.bench.plots import make_plots
+from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ def _log_wandb(records: list[dict], plots, *, cfg, run_dir: Path, summary: dict)
 
     own = None
     if wandb.run is None:
-        own = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
+        own = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg),
+                          secrets=Secrets.of(cfg.cluster.env, cfg.logger.redact))
     payload = {}
     for bench in sorted({r["bench"] for r in records}):
         rows = [r for r in records if r["bench"] == bench]

@@ -23,6 +23,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.data.prepare import prepare
@@ -151,9 +152,10 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """In the job: a failed point leaves `error.txt` (exception and traceback) in its run
-        dir, since Hydra hands the exception to the submitting process, not to the logs."""
-
-        if job_return.status != JobStatus.FAILED:
+        dir, since Hydra hands the exception to the submitting process, not to the logs. A
+        single run writes nothing here: its error is on the terminal, and its directory may be
+        another live run's."""
+        if job_return.status != JobStatus.FAILED or HydraConfig.get().mode != RunMode.MULTIRUN:
             return
         err = job_return._return_value
         text = "".join(traceback.format_exception(err)) if isinstance(err, BaseException) else ""

@@ -26,7 +26,7 @@ from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.mesh import Mesh, build_mesh
 from hpctrain.distributed.teardown import close_process_groups
 from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
-from hpctrain.metrics.redact import install_log_filter
+from hpctrain.metrics.redact import Secrets, install_log_filter
 
 TaskFn = Callable[[Config, Mesh], dict[str, Any]]
 
@@ -37,16 +37,16 @@ FLIGHT_RECORDER_ENTRIES = "2000"
 
 
 def setup_logging(rank: int, *, log_file: str | os.PathLike | None = None,
-                  secrets: dict[str, str] | None = None) -> None:
-    """Rank-prefixed log lines on stderr and, given `log_file`, appended to it as well; values
-    of secret-named variables (environment, `secrets`) are masked in both."""
+                  secrets: Secrets | None = None) -> None:
+    """Rank-prefixed log lines on stderr and, given `log_file`, appended to it as well;
+    `secrets` (default: the environment's) are masked in both."""
     fmt = f"[%(asctime)s rank{rank} %(name)s %(levelname)s] %(message)s"
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if log_file is not None:
         handlers.append(logging.FileHandler(log_file, mode="a"))
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True,
                         handlers=handlers)
-    install_log_filter(secrets or {})
+    install_log_filter(secrets or Secrets.of())
 
 
 def backend_for(cfg: Config, device_type: str) -> str:
@@ -62,7 +62,8 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
     status EXIT_HANG after the watchdog's report; other errors propagate."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(rank, log_file=run_dir / "hpctrain.log", secrets=cfg.cluster.env)
+    setup_logging(rank, log_file=run_dir / "hpctrain.log",
+                  secrets=Secrets.of(cfg.cluster.env, cfg.logger.redact))
     torch.set_num_threads(cfg.cluster.threads_per_proc)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.cluster.threads_per_proc))
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpctrain.metrics.redact import Secrets
+
 
 class MetricsLogger(Protocol):
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
@@ -30,7 +32,8 @@ class JsonlLogger:
     """`metrics.jsonl` (one object per logged step, appended so resumes continue the file)
     and `summary.json`."""
 
-    def __init__(self, run_dir: Path, *, start_step: int = 0):
+    def __init__(self, run_dir: Path, *, start_step: int = 0, secrets: Secrets | None = None):
+        self.secrets = secrets or Secrets()
         self.path = run_dir / "metrics.jsonl"
         self.summary_path = run_dir / "summary.json"
         self._truncate_after(start_step)
@@ -53,7 +56,7 @@ class JsonlLogger:
         self._f.flush()
 
     def summary(self, values: dict[str, Any]) -> None:
-        clean = {k: _clean(v) for k, v in values.items()}
+        clean = self.secrets.data({k: _clean(v) for k, v in values.items()})
         self.summary_path.write_text(json.dumps(clean, indent=2) + "\n")
 
     def close(self) -> None:

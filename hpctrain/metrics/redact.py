@@ -1,9 +1,15 @@
-"""Secrets never leave the process in clear: configs, logs and W&B see `***` instead.
+"""Secrets never leave the process in clear: configs, logs, summaries and W&B see `***`.
 
-A value is secret when its name matches `SECRET_NAME` (…KEY, …TOKEN, …SECRET, …PASSWORD, any
-case): environment variables such as WANDB_API_KEY or HF_TOKEN, and entries of `cluster.env`.
-`redact` rewrites nested containers by key; `SecretFilter` scrubs the values themselves from
-every log record, wherever they appear in the message.
+A name is a credential's when one of its parts (split at `_`, `-`, `.` and lower→upper case
+changes) is, or ends with, one of CREDENTIAL_WORDS (KEY, TOKEN, SECRET, PASSWORD, PASSWD,
+AUTH, CREDENTIAL(S), PRIVATE: WANDB_API_KEY, HF_AUTH, DB_PASSWD, GhToken), or is listed in
+`logger.redact`. Names of the environment that hold paths are not (PWD, OLDPWD,
+SSH_AUTH_SOCK, XAUTHORITY, ...). `Secrets` holds the values of such names in the environment
+and in `cluster.env`, and masks them by value wherever they appear: a log record, a YAML or
+JSON document, a string. A value that is a path is never a secret (the working and run
+directories stay readable), nor is one shorter than MIN_LEN characters (it would scrub
+ordinary words). `cluster.env` entries and `cluster.env.NAME=value` overrides with a
+credential's name are masked by name as well, whatever their length.
 """
 
 from __future__ import annotations
@@ -11,105 +17,99 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
-import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
+CREDENTIAL_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "AUTH", "CREDENTIAL",
+                    "CREDENTIALS", "PRIVATE")
+# Environment names with a credential word that hold paths or sockets, not secrets.
+NOT_SECRET = frozenset({"PWD", "OLDPWD", "SSH_AUTH_SOCK", "XAUTHORITY", "KRB5CCNAME",
+                        "GPG_AGENT_INFO", "SSH_AGENT_PID"})
 MASK = "***"
-_MIN_LEN = 4  # shorter values ("1", "true") would scrub ordinary words from messages
+MIN_LEN = 6
+_PARTS = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+_OVERRIDE = re.compile(r"^(\+{0,2}(?:[\w.]+\.)?env\.)([\w.-]+)=(.+)$")
 
 
-def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME.search(str(name)))
+def name_parts(name: str) -> list[str]:
+    return [p.upper() for p in _PARTS.split(str(name)) if p]
 
 
-def redact(value: Any) -> Any:
-    """A copy of `value` with every entry under a secret-looking key replaced by MASK.
-    Lists and tuples are walked; an `override` string `a.b.SOME_KEY=v` is masked too."""
-    if isinstance(value, Mapping):
-        return {k: (MASK if is_secret(k) and v not in (None, "") else redact(v))
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(redact(v) for v in value)
-    if isinstance(value, str) and "=" in value:
-        key, _, rest = value.partition("=")
-        if is_secret(key.rsplit(".", 1)[-1]) and rest:
-            return f"{key}={MASK}"
-    return value
+def is_secret(name: str, listed: Iterable[str] = ()) -> bool:
+    """Whether `name` is a credential's (module docstring); `listed`: logger.redact."""
+    upper = str(name).upper()
+    if upper in {n.upper() for n in listed}:
+        return True
+    if upper in NOT_SECRET:
+        return False
+    return any(p.endswith(CREDENTIAL_WORDS) for p in name_parts(name))
 
 
-def secret_values(*extra: Mapping[str, Any]) -> set[str]:
-    """Values of secret-named environment variables and of secret-named entries in `extra`."""
-    found = {v for k, v in os.environ.items() if is_secret(k)}
-    for mapping in extra:
-        found |= {str(v) for k, v in mapping.items() if is_secret(k) and v is not None}
-    return {v for v in found if len(v) >= _MIN_LEN}
+def _is_path(value: str) -> bool:
+    return value.startswith(("/", "~", "./", "../")) or (os.sep in value and os.path.exists(value))
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """The secret values of this run and the names that mark them (module docstring)."""
+
+    values: tuple[str, ...] = ()  # longest first, so a value inside another is masked whole
+    listed: tuple[str, ...] = ()  # logger.redact
+
+    @classmethod
+    def of(cls, cluster_env: Mapping[str, Any] | None = None, listed: Iterable[str] = (), *,
+           environ: Mapping[str, str] | None = None) -> Secrets:
+        listed = tuple(str(n) for n in listed)
+        env = os.environ if environ is None else environ
+        found = {str(v) for mapping in (env, cluster_env or {}) for k, v in mapping.items()
+                 if v is not None and is_secret(k, listed)}
+        kept = {v for v in found if len(v) >= MIN_LEN and not _is_path(v)}
+        return cls(tuple(sorted(kept, key=len, reverse=True)), listed)
+
+    def text(self, text: str) -> str:
+        for value in self.values:
+            text = text.replace(value, MASK)
+        return text
+
+    def data(self, value: Any, *, key: str | None = None) -> Any:
+        """A copy of `value` (mappings, lists, tuples, strings) with every secret value masked,
+        the credential-named entries of an `env` mapping (cluster.env) and `...env.NAME=v`
+        override strings masked whole."""
+        if isinstance(value, Mapping):
+            return {k: (MASK if key == "env" and is_secret(k, self.listed) and v not in (None, "")
+                        else self.data(v, key=str(k))) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self.data(v) for v in value)
+        if isinstance(value, str):
+            m = _OVERRIDE.match(value)
+            if m and is_secret(m.group(2), self.listed):
+                return f"{m.group(1)}{m.group(2)}={MASK}"
+            return self.text(value)
+        return value
 
 
 class SecretFilter(logging.Filter):
     """Replaces known secret values in a record's final message with MASK."""
 
-    def __init__(self, values: Iterable[str]):
+    def __init__(self, secrets: Secrets):
         super().__init__()
-        self.values = sorted(set(values), key=len, reverse=True)
+        self.secrets = secrets
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.values:
+        if not self.secrets.values:
             return True
         message = record.getMessage()
-        scrubbed = message
-        for value in self.values:
-            scrubbed = scrubbed.replace(value, MASK)
+        scrubbed = self.secrets.text(message)
         if scrubbed != message:
             record.msg, record.args = scrubbed, None
         return True
 
 
-def install_log_filter(*extra: Mapping[str, Any]) -> None:
+def install_log_filter(secrets: Secrets) -> None:
     """Attach a SecretFilter to every handler of the root logger (handlers see records from
     every logger; a filter on a logger would miss its children)."""
-    flt = SecretFilter(secret_values(*extra))
+    flt = SecretFilter(secrets)
     for handler in logging.getLogger().handlers:
         handler.filters = [f for f in handler.filters if not isinstance(f, SecretFilter)]
         handler.addFilter(flt)
-
-
-def redact_yaml_files(paths: Iterable[Path], *, attempts: int = 30) -> None:
-    """Rewrite YAML files (Hydra's `.hydra/config.yaml`, `overrides.yaml`, `hydra.yaml`) with
-    secret-named entries and `key=value` overrides masked. Missing files are skipped.
-
-    In a Slurm job every task's Hydra writes these files (not atomically) and then redacts
-    them, so a file may be caught half-written: it is read again until it parses (up to
-    `attempts` × 0.1 s), and rewritten atomically (temp file + rename), so a reader never sees
-    half of it and the last writer of the job is always a redaction. A file that never parses
-    is left alone with a warning: redaction must not kill the run."""
-    for path in paths:
-        data = _read_yaml(path, attempts=attempts)
-        if data is None:
-            continue
-        clean = redact(data)
-        if clean != data:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-            with os.fdopen(fd, "w") as f:
-                f.write(yaml.safe_dump(clean, sort_keys=False))
-            os.replace(tmp, path)
-
-
-def _read_yaml(path: Path, *, attempts: int) -> Any:
-    for _ in range(attempts):
-        if not path.is_file():
-            return None
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
-            data = None
-        if data is not None:
-            return data
-        time.sleep(0.1)  # being written by another task's Hydra
-    logging.getLogger(__name__).warning("%s did not parse as YAML: left unredacted", path)
-    return None

@@ -8,7 +8,7 @@ continues the same W&B run.
 Logging never kills a run: before going online the server is probed (a TCP connect bounded by
 `PROBE_S`), and a server that cannot be reached, a rejected key or any other failure of
 `wandb.init` degrades to offline with one warning. The config W&B receives is redacted
-(hpctrain.metrics.redact): no secret-named value reaches the server.
+(hpctrain.metrics.redact): no secret value reaches the server.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hpctrain.config import LoggerConfig
-from hpctrain.metrics.redact import redact
+from hpctrain.metrics.redact import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,11 @@ def server_reachable(base_url: str, *, timeout_s: float = PROBE_S) -> bool:
 
 
 class WandbLogger:
-    def __init__(self, cfg: LoggerConfig, *, run_dir: Path, config: dict[str, Any]):
+    def __init__(self, cfg: LoggerConfig, *, run_dir: Path, config: dict[str, Any],
+                 secrets: Secrets):
         import wandb  # heavy (~1 s to import): only when logger.wandb is not disabled
+
+        self.secrets = secrets
 
         self.mode = resolve_mode(cfg.wandb)
         base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
@@ -92,9 +95,10 @@ class WandbLogger:
             log.warning("W&B server %s is unreachable: logging offline (sync later with "
                         "`wandb sync %s`)", base_url, run_dir / "wandb")
             self.mode = "offline"
-        kwargs = dict(project=cfg.project, entity=cfg.entity, group=cfg.group,
-                      name=cfg.run_name, id=run_id(run_dir), resume="allow", dir=str(run_dir),
-                      config=redact(config), settings=_settings(wandb))
+        names = secrets.data(dict(project=cfg.project, entity=cfg.entity, group=cfg.group,
+                                  name=cfg.run_name))
+        kwargs = dict(**names, id=run_id(run_dir), resume="allow", dir=str(run_dir),
+                      config=secrets.data(config), settings=_settings(wandb))
         self.run = _init(wandb, self.mode, kwargs)
         if self.run is None and self.mode != "offline":
             self.mode = "offline"
@@ -124,7 +128,7 @@ class WandbLogger:
         def update():
             for k, v in values.items():
                 if isinstance(v, int | float | str) and v is not None:
-                    self.run.summary[k] = v
+                    self.run.summary[k] = self.secrets.data(v)
 
         self._guarded("summary", update)
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from hpctrain.config import Config
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
+from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.throughput import parameter_counts
 from hpctrain.metrics.wandb_logger import WandbLogger
 
@@ -40,10 +41,13 @@ def never_stop() -> bool:
 
 def make_loggers(cfg: Config, *, run_dir: Path, start_step: int) -> tuple[MultiLogger, Progress]:
     progress = Progress(cfg.logger.progress, total=cfg.train.steps, start=start_step)
+    secrets = Secrets.of(cfg.cluster.env, cfg.logger.redact)
     wandb = None
     if cfg.logger.wandb != "disabled":
-        wandb = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg))
-    return MultiLogger(JsonlLogger(run_dir, start_step=start_step), wandb, progress), progress
+        wandb = WandbLogger(cfg.logger, run_dir=run_dir, config=dataclasses.asdict(cfg),
+                            secrets=secrets)
+    jsonl = JsonlLogger(run_dir, start_step=start_step, secrets=secrets)
+    return MultiLogger(jsonl, wandb, progress), progress
 
 
 def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,

@@ -30,12 +30,20 @@ def test_second_run_on_a_busy_directory_is_refused_then_stale_lock_taken_over(tm
         deadline = time.monotonic() + 120
         while not (run_dir / LOCK_NAME).exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (run_dir / LOCK_NAME).exists(), "the first run never took the lock"
+        while not (run_dir / ".hydra" / "config.yaml").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+        assert set(record) == {"config.yaml", "overrides.yaml", "hydra.yaml"}, record
         second = subprocess.run(_cmd(run_dir, "train.steps=2", "logger.wandb=disabled"),
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         out = second.stdout + second.stderr
         assert second.returncode == 2, out[-2000:]
         assert f"in use by pid {first.pid}" in out and "Traceback" not in out
+        # the refused run wrote nothing: the live run's record and log are its own
+        assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
+        assert b"steps: 100000" in record["config.yaml"]
+        assert "in use by" not in (run_dir / "hpctrain.log").read_text()
+        assert not (run_dir / "error.txt").exists()
     finally:
         first.send_signal(signal.SIGKILL)  # dies holding the lock
         first.wait()
@@ -51,19 +59,30 @@ def test_second_run_on_a_busy_directory_is_refused_then_stale_lock_taken_over(tm
 def test_wandb_unreachable_with_a_key_and_secrets_never_written(tmp_path):
     run_dir = tmp_path / "run"
     key = "0123456789abcdef" * 2 + "01234567"
-    env = {**os.environ, "WANDB_API_KEY": key, "WANDB_BASE_URL": "http://127.0.0.1:9",
-           "WANDB_SILENT": "true"}
+    secrets = {"WANDB_API_KEY": key, "DB_PASSWD": "db-very-secret-2",
+               "HF_AUTH": "hf-auth-secret-3", "TEAM_LABEL": "team-label-secret-4"}
+    env = {**os.environ, **secrets, "WANDB_BASE_URL": "http://127.0.0.1:9",
+           "WANDB_SILENT": "true", "SSH_AUTH_SOCK": str(run_dir), "PWD": str(ROOT)}
     t0 = time.monotonic()
     proc = subprocess.run(_cmd(run_dir, "train.steps=3", "logger.wandb=auto",
-                               "+cluster.env.HF_TOKEN=hf-very-secret-1"),
+                               "+cluster.env.HF_TOKEN=hf-very-secret-1",
+                               "logger.redact=[TEAM_LABEL]",  # by the user's own list
+                               "logger.run_name=team-label-secret-4_db-very-secret-2"),
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "unreachable: logging offline" in out
     assert time.monotonic() - t0 < 120  # not W&B's 90 s init timeout on top of the run
     assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    leaked = [p for p in run_dir.rglob("*") if p.is_file()
-              and (b"hf-very-secret-1" in p.read_bytes() or key.encode() in p.read_bytes())]
+    values = ["hf-very-secret-1", *secrets.values()]
+    leaked = [(p, v) for p in run_dir.rglob("*") if p.is_file()
+              for v in values if v.encode() in p.read_bytes()]
     assert not leaked, leaked
-    assert "hf-very-secret-1" not in out and key not in out
-    assert "HF_TOKEN=***" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert not [v for v in values if v in out]
+    hydra = (run_dir / ".hydra")
+    assert "HF_TOKEN=***" in (hydra / "overrides.yaml").read_text()
+    assert "logger.run_name=***_***" in (hydra / "overrides.yaml").read_text()
+    # paths are never masked, though SSH_AUTH_SOCK and PWD name them
+    assert str(run_dir) in (hydra / "hydra.yaml").read_text()
+    assert str(ROOT) in (hydra / "hydra.yaml").read_text()
+    assert str(run_dir) in (run_dir / "summary.json").read_text()

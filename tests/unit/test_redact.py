@@ -1,32 +1,60 @@
-"""Secrets (…KEY, …TOKEN, …SECRET, …PASSWORD) never reach configs, logs or W&B in clear."""
+"""Secrets never reach configs, logs, summaries or W&B in clear: credential names by their
+parts, user-listed names, masking by value anywhere, and paths never masked."""
 
 from __future__ import annotations
 
 import logging
 
-from hpctrain.metrics.redact import MASK, SecretFilter, redact, redact_yaml_files
+import pytest
+
+from hpctrain.metrics.redact import MASK, SecretFilter, Secrets, is_secret
 
 
-def test_redact_by_key_and_in_override_strings():
-    cfg = {"cluster": {"env": {"WANDB_API_KEY": "k" * 40, "NCCL_IB_HCA": "mlx5",
-                               "db_password": "pw", "Hf_Token": "t0k3n", "EMPTY_KEY": ""}},
-           "overrides": ["+cluster.env.MY_SECRET=abc", "train.steps=5", "x=y=z"]}
-    out = redact(cfg)
-    env = out["cluster"]["env"]
-    assert env == {"WANDB_API_KEY": MASK, "NCCL_IB_HCA": "mlx5", "db_password": MASK,
-                   "Hf_Token": MASK, "EMPTY_KEY": ""}
-    assert out["overrides"] == ["+cluster.env.MY_SECRET=***", "train.steps=5", "x=y=z"]
-    assert cfg["cluster"]["env"]["WANDB_API_KEY"] == "k" * 40  # the input is not modified
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "DB_PASSWD", "HF_AUTH",
+                                  "OAUTH_CLIENT", "GhToken", "AWS_SECRET_ACCESS_KEY",
+                                  "GOOGLE_CREDENTIALS", "PRIVATE_KEY", "db_password", "APIKEY"])
+def test_credential_names(name):
+    assert is_secret(name)
 
 
-def test_log_filter_scrubs_values_anywhere(caplog, monkeypatch):
-    monkeypatch.setenv("SOME_SERVICE_TOKEN", "tok-123456")
-    from hpctrain.metrics.redact import secret_values
+@pytest.mark.parametrize("name", ["PWD", "OLDPWD", "SSH_AUTH_SOCK", "XAUTHORITY", "AUTHOR",
+                                  "TOKENIZER_PATH", "KEYBOARD_LAYOUT", "NCCL_IB_HCA", "HOME"])
+def test_names_that_are_not_credentials(name):
+    assert not is_secret(name)
 
-    values = secret_values({"MY_KEY": "abcdef", "SHORT_KEY": "1", "PLAIN": "visible"})
-    assert {"tok-123456", "abcdef"} <= values and "1" not in values and "visible" not in values
+
+def test_listed_names_and_values_of_the_environment_and_cluster_env(tmp_path):
+    environ = {"DB_PASSWD": "pa55-w0rd", "HF_AUTH": "hf_auth_value", "TEAM": "team-name-x",
+               "SSH_AUTH_SOCK": str(tmp_path / "agent.sock"), "PWD": str(tmp_path),
+               "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "creds.json"),
+               "SHORT_KEY": "12345", "PLAIN": "visible-value"}
+    secrets = Secrets.of({"SERVICE_TOKEN": "svc-token-1", "NCCL_DEBUG": "INFO"}, ["team"],
+                         environ=environ)
+    assert set(secrets.values) == {"pa55-w0rd", "hf_auth_value", "team-name-x", "svc-token-1"}
+    text = f"cd {tmp_path} && login pa55-w0rd svc-token-1 as team-name-x, visible-value"
+    assert secrets.text(text) == f"cd {tmp_path} && login *** *** as ***, visible-value"
+
+
+def test_documents_masked_by_value_and_env_entries_by_name():
+    secrets = Secrets.of({"MY_SECRET": "abc"}, environ={"HF_TOKEN": "hf-token-123"})
+    doc = {"cluster": {"env": {"MY_SECRET": "abc", "NCCL_IB_HCA": "mlx5", "EMPTY_KEY": ""}},
+           "logger": {"run_name": "run-hf-token-123"}, "data": {"tokenizer_path": "/t",
+                                                               "eod_token": "</s>"},
+           "overrides": ["+cluster.env.MY_SECRET=abc", "train.steps=5", "x=y=z",
+                         "logger.run_name=hf-token-123"]}
+    out = secrets.data(doc)
+    assert out["cluster"]["env"] == {"MY_SECRET": MASK, "NCCL_IB_HCA": "mlx5", "EMPTY_KEY": ""}
+    assert out["logger"]["run_name"] == "run-***"
+    assert out["data"] == {"tokenizer_path": "/t", "eod_token": "</s>"}  # not env: by value
+    assert out["overrides"] == ["+cluster.env.MY_SECRET=***", "train.steps=5", "x=y=z",
+                                "logger.run_name=***"]
+    assert doc["cluster"]["env"]["MY_SECRET"] == "abc"  # the input is not modified
+
+
+def test_log_filter_scrubs_values_anywhere(caplog):
+    secrets = Secrets.of({"MY_KEY": "abcdef"}, environ={"SOME_SERVICE_TOKEN": "tok-123456"})
     logger = logging.getLogger("test.redact")
-    flt = SecretFilter(values)
+    flt = SecretFilter(secrets)
     caplog.handler.addFilter(flt)
     try:
         with caplog.at_level(logging.INFO):
@@ -35,45 +63,3 @@ def test_log_filter_scrubs_values_anywhere(caplog, monkeypatch):
         caplog.handler.removeFilter(flt)
     assert "tok-123456" not in caplog.text and "abcdef" not in caplog.text
     assert f"connecting with {MASK} and key={MASK}, visible" in caplog.text
-
-
-def test_yaml_files_rewritten(tmp_path):
-    (tmp_path / "config.yaml").write_text("cluster:\n  env:\n    HF_TOKEN: abc\n    A: b\n")
-    (tmp_path / "overrides.yaml").write_text("- +cluster.env.HF_TOKEN=abc\n- model=debug\n")
-    redact_yaml_files([tmp_path / "config.yaml", tmp_path / "overrides.yaml",
-                       tmp_path / "missing.yaml"])
-    assert "abc" not in (tmp_path / "config.yaml").read_text()
-    assert "A: b" in (tmp_path / "config.yaml").read_text()
-    assert (tmp_path / "overrides.yaml").read_text().splitlines() == [
-        "- +cluster.env.HF_TOKEN=***", "- model=debug"]
-
-
-def test_concurrent_tasks_writing_and_redacting_one_file(tmp_path):
-    """A Slurm job's tasks each write Hydra's config (not atomically) and then redact it: no
-    task fails on a half-written file and the file ends redacted."""
-    import threading
-    import time
-
-    path = tmp_path / "config.yaml"
-    text = "cluster:\n  env:\n    HF_TOKEN: abc123\n" + "".join(
-        f"k{i}: {i}\n" for i in range(200))
-    errors = []
-
-    def task() -> None:
-        try:
-            with path.open("w") as f:  # as Hydra writes: truncate, then the text in pieces
-                f.write(text[:50])
-                f.flush()
-                time.sleep(0.02)
-                f.write(text[50:])
-            redact_yaml_files([path])
-        except Exception as err:  # noqa: BLE001
-            errors.append(err)
-
-    threads = [threading.Thread(target=task) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert "abc123" not in path.read_text() and "HF_TOKEN: '***'" in path.read_text()

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from hpctrain.config import LoggerConfig
+from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.wandb_logger import WandbLogger, server_reachable
 
 
@@ -55,8 +56,9 @@ def test_online_failure_degrades_to_offline(where, rejecting_server, tmp_path, m
     monkeypatch.setenv("WANDB_BASE_URL", url)
     monkeypatch.setenv("WANDB_SILENT", "true")
     with caplog.at_level(logging.WARNING):
+        env = {"HF_TOKEN": "hf-secret-value"}
         logger = WandbLogger(LoggerConfig(wandb="auto"), run_dir=tmp_path,
-                             config={"cluster": {"env": {"HF_TOKEN": "hf-secret-value"}}})
+                             config={"cluster": {"env": env}}, secrets=Secrets.of(env))
     assert logger.mode == "offline" and logger.run is not None
     logger.log(1, {"loss": 1.0})
     logger.close()
