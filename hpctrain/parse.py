@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from hpctrain.config import Config, collect
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.plan.auto import FIXABLE, choose_layout, fit_problems
-from hpctrain.validate import problems_of, validate
+from hpctrain.validate import key_problems, problems_of, validate
 
 
 def parse(cfg, *, run_dir: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -45,6 +45,9 @@ def parse(cfg, *, run_dir: str | None = None, overrides: list[str] | None = None
                                        else overrides)
     problems = [*problems, *fixed_errors]
     if config.parallel.auto and not problems and config.task != "simulate":
+        bad_keys = key_problems(config)  # the search would read them (a rank count of 0)
+        if bad_keys:
+            raise ValueError(format_problems(bad_keys))
         config = choose_layout(config, accept=runnable_problems)[0]
     validate(config, found=problems)
     refused = fit_problems(config, accept=runnable_problems)

@@ -254,10 +254,21 @@ def check_bench(c: Config) -> list[str]:
 
 def check_plan(c: Config) -> list[str]:
     """task=plan: the plan.* settings (keys, ranges, lists) and the cluster's accelerator."""
+    errs = plan_setting_problems(c)
+    try:
+        plan_settings(c)
+    except ValueError:  # unknown or mistyped plan.* keys: the accelerator is checked alone
+        return errs + _errors_of(c, cluster_spec)
+    return errs + _errors_of(c, plan_cluster)
+
+
+def plan_setting_problems(c: Config) -> list[str]:
+    """The plan.* settings' problems (keys, ranges, lists): task=plan, and what parallel=auto
+    and the pre-launch fit check read."""
     try:
         settings = plan_settings(c)
     except ValueError as err:
-        return [str(err), *_errors_of(c, cluster_spec)]
+        return [str(err)]
     given = {**dataclasses.asdict(settings), **(c.extra.get("plan") or {})}  # as the user wrote
     values = {f"plan.{key}": value for key, value in given.items()}
     errs = [p.text for p in range_problems(values, PLAN_RANGES)]
@@ -265,7 +276,14 @@ def check_plan(c: Config) -> list[str]:
         bad = [v for v in getattr(settings, key) if v not in allowed]
         if bad:
             errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
-    return errs + _errors_of(c, plan_cluster)
+    return errs
+
+
+def key_problems(c: Config) -> list[Problem]:
+    """The key-level problems of `c` (choices, ranges, plan.*): what parallel=auto must not
+    search with (a bad rank count or headroom would make every layout look wrong)."""
+    return [*choice_problems(c), *config_range_problems(c),
+            *(Problem("plan", text) for text in plan_setting_problems(c))]
 
 
 def check_cluster_spec(c: Config) -> list[str]:

@@ -17,10 +17,12 @@ def check_cp(c: Config) -> list[str]:
         return []
     errs = []
     if L % (2 * p.cp):
-        ok = [n for n in (1, 2, 4, 8, 16) if L % (2 * n) == 0]
+        ok = [1, *(n for n in (2, 4, 8, 16, 32) if L % (2 * n) == 0)]  # cp=1: no chunks
+        below, above = L - L % (2 * p.cp), L + 2 * p.cp - L % (2 * p.cp)
+        near = f"{below} or {above}" if below >= 2 * p.cp else str(above)
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
-                    f"that is a multiple of {2 * p.cp}, or parallel.cp in {ok}")
+                    f"that is a multiple of {2 * p.cp} (e.g. {near}), or parallel.cp in {ok}")
     if c.train.compile != "none":  # ring attention's p2p inside the blocks: not tried yet
         errs.append(f"parallel.cp={p.cp} with train.compile={c.train.compile} is not "
                     "implemented yet: set train.compile=none")

@@ -59,16 +59,21 @@ def read_heartbeats(folder: Path, *, world_size: int) -> dict[int, Beat | None]:
 
 
 def _gone(beat: Beat) -> bool:
-    """The process of a heartbeat on this host no longer exists."""
+    """The process of a heartbeat on this host no longer runs: it does not exist, or it is a
+    zombie (dead, not yet reaped by its launcher)."""
     if beat.get("host") != node_name():
         return False
     try:
-        os.kill(int(beat["pid"]), 0)
+        pid = int(beat["pid"])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (OSError, KeyError, ValueError):
         return False
-    return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _at(beat: Beat) -> str:
@@ -124,8 +129,9 @@ def waiting_in(*, frame=None, tb=None) -> str | None:
 
 def format_message(cause: str, *, reporter: int, host: str, step: int | None, phase: str,
                    where: str | None, culprits: list[tuple[int, str]], hang_dir: Path,
-                   beats_dir: Path, slurm: bool) -> str:
-    """The one message that ends a hung job (`beats_dir`: the heartbeat files)."""
+                   beats_dir: Path, slurm: bool, saved: Path | None = None) -> str:
+    """The one message that ends a hung job (`beats_dir`: the heartbeat files; `saved`: the
+    newest finished checkpoint, which a resubmission resumes from)."""
     hosts: dict[int, str] = {}
     for path in beats_dir.glob("rank_*.json"):
         try:
@@ -145,13 +151,15 @@ def format_message(cause: str, *, reporter: int, host: str, step: int | None, ph
              f"Stacks of the live ranks and flight recorder: {hang_dir}; heartbeats: "
              f"{beats_dir}"]
     bad_nodes = sorted({hosts[r] for r, _ in culprits if r in hosts})
+    resumes = (f"it resumes from its last checkpoint ({saved.name})" if saved is not None else
+               "no checkpoint was saved yet, so it starts from step 0")
     if slurm and bad_nodes:
         nodes = ",".join(bad_nodes)
         lines.append(f"Resubmit without the node: --exclude={nodes} (or cluster.exclude={nodes}); "
-                     "the run resumes from its last checkpoint.")
+                     f"{resumes}.")
     else:
-        lines.append("Resubmit to resume from the last checkpoint; if it recurs, raise "
-                     "cluster.timeout_s only when a step legitimately takes that long.")
+        lines.append(f"Resubmit and {resumes}; if it recurs, raise cluster.timeout_s only when "
+                     "a step legitimately takes that long.")
     return "\n".join(lines)
 
 

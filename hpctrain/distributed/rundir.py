@@ -7,9 +7,11 @@ when a rank suspects or reports a hang (stacks, flight recorder, report.txt).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 WORK_DIR = ".hpctrain"
+CHECKPOINT = re.compile(r"^step_(\d{8})$")  # a finished save (a `.partial` one is being written)
 
 
 def work_dir(run_dir: Path | str) -> Path:
@@ -23,3 +25,12 @@ def heartbeat_dir(run_dir: Path | str) -> Path:
 
 def hang_dir(run_dir: Path | str) -> Path:
     return Path(run_dir) / "hang"
+
+
+def checkpoints(run_dir: Path | str) -> list[Path]:
+    """Finished (renamed, not `.partial`) checkpoint directories, newest first; whether they
+    verify is `train.ckpt_catalog`'s question."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if CHECKPOINT.match(p.name)), reverse=True)

@@ -1,9 +1,10 @@
 """The hang watchdog: one daemon thread per rank that turns a stuck job into one clear message.
 
 The trainer calls `heartbeat.step(n)` at every step boundary (an attribute write and a deque
-append: no I/O, no collective). Every `interval_s` the thread writes this rank's heartbeat file
-`<run_dir>/.hpctrain/heartbeat/rank_N.json` (rank, host, pid, step, phase, beat time) and applies
-`StallRule` to the time since the last boundary:
+append: no I/O, no collective). The thread writes this rank's heartbeat file
+`<run_dir>/.hpctrain/heartbeat/rank_N.json` (rank, host, pid, step, phase, beat time) every
+`interval_s`, and within BEAT_GAP_S of a new step (so the step a stopped or dead rank reached is
+known to its peers), and applies `StallRule` to the time since the last boundary:
 
 - slow: longer than max(k × median of the last 50 step times, floor) — k = 10, floor =
   min(30 s, timeout_s / 2). The rank dumps its Python stacks into `<run_dir>/hang/` and warns
@@ -93,6 +94,9 @@ class StallRule:
         return "slow" if elapsed_s > self.slow_after(median) else "ok"
 
 
+BEAT_GAP_S = 1.0  # a new step's heartbeat is written within this (at most one write a second)
+
+
 def beat_interval(timeout_s: float) -> float:
     """Heartbeat period: a tenth of the timeout, within [0.5 s, 10 s] (1000 ranks writing a
     small file every 10 s is light for a shared file system)."""
@@ -104,6 +108,7 @@ class Watchdog:
 
     def __init__(self, run_dir: Path | str, *, rank: int, world_size: int, timeout_s: float,
                  rule: StallRule | None = None):
+        self.run_dir = Path(run_dir)
         self.dir = rundir.hang_dir(run_dir)  # created only when a hang is suspected
         self.beats_dir = rundir.heartbeat_dir(run_dir)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -159,9 +164,16 @@ class Watchdog:
         self.stop()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._write_beat()
-            verdict = self.check(time.monotonic())
+        """Wake every BEAT_GAP_S (or the interval, if shorter): write the heartbeat when the
+        step changed (so a rank that stops or dies leaves the step it really reached, at most
+        BEAT_GAP_S old) or the interval is up; apply the stall rule."""
+        written, last = self.current, time.monotonic()
+        while not self._stop.wait(min(self.interval_s, BEAT_GAP_S)):
+            now = time.monotonic()
+            if self.current != written or now - last >= self.interval_s:
+                written, last = self.current, now
+                self._write_beat()
+            verdict = self.check(now)
             if verdict == "slow":
                 self._warn_slow()
             elif verdict == "hung":
@@ -228,7 +240,8 @@ class Watchdog:
         message = hang_report.format_message(
             cause, reporter=self.rank, host=self.host, step=self.current, phase=self.phase,
             where=where, culprits=culprits,
-            hang_dir=self.dir, beats_dir=self.beats_dir, slurm=hang_report.on_slurm())
+            hang_dir=self.dir, beats_dir=self.beats_dir, slurm=hang_report.on_slurm(),
+            saved=next(iter(rundir.checkpoints(self.run_dir)), None))
         if hang_report.claim(self.dir / "report.txt", message):
             log.error("%s", message)
         else:

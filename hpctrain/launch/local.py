@@ -59,15 +59,23 @@ def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, 
     try:
         out = run_rank(cfg, task, rank=rank, world_size=world, local_rank=rank, store=store)
     except RunStopped as err:  # an agreed stop: hand the message over, exit without a traceback
-        pipe.send({"stopped": str(err), "exit_code": err.exit_code})
-        pipe.close()
+        _hand_over(pipe, {"stopped": str(err), "exit_code": err.exit_code})
         end_process(err.exit_code)
     except ValueError as err:  # a user-facing refusal found inside the ranks (e.g. resume)
-        pipe.send({"stopped": str(err), "exit_code": 2})
-        pipe.close()
+        _hand_over(pipe, {"stopped": str(err), "exit_code": 2})
         end_process(2)
-    pipe.send(out)
-    pipe.close()
+    _hand_over(pipe, out)
+
+
+def _hand_over(pipe, result) -> None:
+    """Send this rank's result to the launcher; a launcher that is gone (killed: the rank
+    stopped through SIGTERM, with its checkpoint) gets one log line, not a traceback."""
+    try:
+        pipe.send(result)
+        pipe.close()
+    except OSError:  # BrokenPipeError, ConnectionResetError: the reading end died
+        log.warning("the launcher is gone: this rank's result was not delivered (the run "
+                    "directory holds what it saved)")
 
 
 def launch_local(cfg: Config, task: TaskFn) -> dict[str, Any]:

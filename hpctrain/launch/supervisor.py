@@ -178,5 +178,7 @@ def _death_message(procs, rank: int, run_dir: Path) -> str:
         where = f" (its last heartbeat: step {beat.get('step')}, {beat.get('phase')})"
     except (OSError, ValueError):
         pass
-    return (f"rank {rank} (pid {p.pid}) {how}{where}; the other ranks were stopped. "
-            "Resubmit to resume from the last checkpoint.")
+    saved = next(iter(rundir.checkpoints(run_dir)), None)
+    resume = (f"Resubmit to resume from the last checkpoint ({saved.name})." if saved else
+              "No checkpoint was saved yet: a rerun starts from step 0.")
+    return f"rank {rank} (pid {p.pid}) {how}{where}; the other ranks were stopped. {resume}"

@@ -16,12 +16,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpctrain.distributed import rundir
 from hpctrain.train import manifest
 from hpctrain.train.manifest import Unverified, Verified
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^step_(\d{8})$")
+NAME = rundir.CHECKPOINT
 PARTIAL = re.compile(r"^step_(\d{8})\.partial$")
 
 Signature = tuple[tuple[str, int, int, int], ...]
@@ -30,10 +31,7 @@ _seen: dict[Path, tuple[Signature, str | None]] = {}  # directory -> (signature,
 
 def candidates(run_dir: Path) -> list[Path]:
     """Renamed (not `.partial`) checkpoint directories, newest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if NAME.match(p.name)), reverse=True)
+    return rundir.checkpoints(run_dir)
 
 
 def verify(path: Path) -> Verified:

@@ -97,6 +97,13 @@ class NonFiniteGuard:
         where = (f"last checkpoint {checkpoint}" if checkpoint is not None
                  else "no checkpoint was written yet (set train.checkpoint_every)")
         policy = f"train.on_nonfinite={self.mode}" + (f": {self.reason}" if self.reason else "")
+        router = _router_losses(metrics, cfg)
+        if router:  # the router's loss broke the step, not the learning rate
+            return NonFiniteError(
+                f"step {step}: non-finite MoE router loss: {router} (loss="
+                f"{_fmt(metrics['loss'])}, grad norm={_fmt(metrics['grad_norm'])}), training "
+                f"stopped ({policy}). The bad update was not applied and nothing was saved; "
+                f"{where}. Fix: lower the coefficient named, then resume")
         return NonFiniteError(
             f"step {step}: non-finite {metrics['nonfinite']} (loss={_fmt(metrics['loss'])}, "
             f"grad norm={_fmt(metrics['grad_norm'])}, lr={_fmt(metrics['lr'])}), training "
@@ -106,6 +113,19 @@ class NonFiniteGuard:
             f"{where}. Fix: lower optim.lr (now {o.lr:g}), raise optim.warmup_steps "
             f"(now {o.warmup_steps}) or set train.grad_clip (now {cfg.train.grad_clip:g}), then "
             f"resume; or set train.on_nonfinite=skip|rollback to step over bad batches")
+
+
+ROUTER_LOSSES = (("moe_aux_loss", "load-balancing loss", "aux_loss_coef"),
+                 ("moe_z_loss", "router z-loss", "z_loss_coef"))
+
+
+def _router_losses(metrics: dict[str, Any], cfg: Config) -> str:
+    """The step's non-finite router losses with their coefficients ('' when none): the
+    `moe_*` metrics are agreed over the dp and pp groups, so every rank names the same."""
+    bad = [f"{name}={_fmt(metrics[key])} with model.moe.{coef}="
+           f"{getattr(cfg.model.moe, coef):g}" for key, name, coef in ROUTER_LOSSES
+           if metrics.get(key) is not None and not math.isfinite(metrics[key])]
+    return ", ".join(bad)
 
 
 def _fmt(value: float) -> str:

@@ -147,6 +147,20 @@ def test_a_launcher_signal_stops_with_a_checkpoint(tmp_path, sig):
     assert len(family) >= 2 and not (left := _alive(family)), left
 
 
+def test_a_killed_launchers_ranks_stop_with_a_checkpoint_and_no_traceback(tmp_path):
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    family = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the ranks get SIGTERM from the kernel (PDEATHSIG)
+    code, out, _ = _finish(proc, limit_s=30)  # the output ends when the ranks have exited
+    assert code == -signal.SIGKILL, out[-3000:]
+    assert "Traceback" not in out and "BrokenPipeError" not in out, out[-3000:]
+    assert out.count("the launcher is gone: this rank's result was not delivered") == 2, out
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert saved and (saved[-1] / "train_state.json").exists()
+    assert not (left := _alive(family)), left
+
+
 def test_a_second_sigint_kills_at_once(tmp_path):
     proc = _start(tmp_path)
     _wait_training(proc, tmp_path)

@@ -261,3 +261,16 @@ def test_save_refuses_non_finite_weights(tmp_path):
 def test_on_nonfinite_must_be_a_known_policy():
     with pytest.raises(ValueError, match="train.on_nonfinite='ignore' is not one of 'stop'"):
         make_config(["train.on_nonfinite=ignore"])
+
+
+def test_a_non_finite_router_loss_is_named_with_its_coefficient(tmp_path):
+    """The z-loss coefficient overflows fp32 (the router's precision): the router loss is inf
+    at step 1, and the message names it and its key, not the learning rate."""
+    over = ["model=debug_moe", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
+            "train.eval_every=0", "train.steps=3", "model.moe.z_loss_coef=1e39"]
+    with pytest.raises(NonFiniteError) as stopped:
+        tasks.run(make_config(over, run_dir=tmp_path))
+    text = str(stopped.value)
+    assert text.startswith("step 1: non-finite MoE router loss: router z-loss=inf with "
+                           "model.moe.z_loss_coef=1e+39"), text
+    assert "lower optim.lr" not in text and "lower the coefficient named" in text

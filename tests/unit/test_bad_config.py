@@ -52,6 +52,12 @@ BAD = [
       "cluster.signal_delay_s=120"],
      ["cluster.signal_delay_s=120 is not below cluster.time_min=1", "time_min to 3"]),
     # parallel
+    (["parallel=cp2", "cluster.procs_per_node=2", "train.seq_len=63"],
+     ["train.seq_len=63 is not divisible by 2 × parallel.cp=2", "multiple of 4 (e.g. 60 or 64)",
+      "parallel.cp in [1]"]),
+    (["parallel=auto", "cluster.procs_per_node=0"], ["cluster.procs_per_node=0 must be > 0"]),
+    (["parallel=auto", "cluster.procs_per_node=2", "plan.headroom=1.5"],
+     ["plan.headroom=1.5 must be in [0, 1)"]),
     (["parallel.dp=0"], ["parallel.dp=0 must be > 0", "1 or more"]),
     (["parallel.tp=0"], ["parallel.tp=0 must be > 0", "1 or more"]),
     (["parallel.pp=0"], ["parallel.pp=0 must be > 0", "1 or more"]),

@@ -61,6 +61,12 @@ def test_the_hang_report_is_the_cause_when_the_supervisor_killed_the_stuck_rank(
 def test_an_error_exit_comes_before_a_hang_report(tmp_path):
     message = _supervise([(_exit, (EXIT_HANG, 0.0)), (_exit, (1, 0.3))], tmp_path)
     assert message.startswith("rank 1 (pid ") and "exited with status 1" in message, message
+    assert message.endswith("No checkpoint was saved yet: a rerun starts from step 0.")
+    saved = tmp_path / "with" / "checkpoints"
+    (saved / "step_00000020").mkdir(parents=True)
+    (saved / "step_00000030.partial").mkdir()  # being written: not a checkpoint yet
+    message = _supervise([(_exit, (1, 0.0)), (_stuck, ())], tmp_path / "with")
+    assert message.endswith("Resubmit to resume from the last checkpoint (step_00000020).")
 
 
 class _Rank:

@@ -104,9 +104,52 @@ def test_message_names_rank_host_step_and_the_slurm_exclude_line(tmp_path):
     assert "step 7 (train)" in text and "waiting in all_reduce from x.py:3" in text
     assert "--exclude=gpu-17 (or cluster.exclude=gpu-17)" in text
     assert "--exclude" not in hang_report.format_message("Timed out", slurm=False, **args)
+    assert "no checkpoint was saved yet, so it starts from step 0" in text
+    saved = hang_report.format_message("Timed out", slurm=False, saved=tmp_path / "step_00000005",
+                                       **args)
+    assert "Resubmit and it resumes from its last checkpoint (step_00000005)" in saved
     args["culprits"] = []
     assert "every rank waits in the same collective" in hang_report.format_message(
         "Timed out", slurm=True, **args)
+
+
+def test_a_dead_rank_not_yet_reaped_has_exited():
+    """A SIGKILLed rank stays a zombie until its launcher reaps it: it has exited all the same
+    (it was once named "behind in step N" for the step of its last beat)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # exited, not reaped: /proc shows it as a zombie
+        state = open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    now = time.time()
+    try:
+        beats = {0: _beat(0, step=30, age=0, now=now, host=hang_report.node_name()),
+                 1: _beat(1, step=29, age=0.1, now=now, host=hang_report.node_name(),
+                          pid=child.pid)}
+        (rank, why), = hang_report.suspects(beats, now=now, stale_s=5)
+        assert rank == 1 and why.startswith("has exited"), why
+    finally:
+        child.wait()
+
+
+def test_a_new_step_is_on_disk_within_the_beat_gap(tmp_path):
+    """The interval is 10 s at the default timeout; a new step is written within ~1 s, so a
+    rank that stops is named with the step it reached."""
+    from hpctrain.distributed.watchdog import BEAT_GAP_S
+
+    wd = Watchdog(tmp_path, rank=0, world_size=1, timeout_s=300)
+    assert wd.interval_s == 10.0
+    with wd:
+        for step in (1, 2):
+            wd.step(step)
+            time.sleep(BEAT_GAP_S * 1.6)
+            beat = json.loads((tmp_path / ".hpctrain" / "heartbeat" / "rank_0.json").read_text())
+            assert beat["step"] == step
 
 
 def test_only_the_first_claim_writes_the_report(tmp_path):
