@@ -22,6 +22,7 @@ from hpctrain.config_build import format_problems
 from hpctrain.data import prepare as prep
 from hpctrain.data.records import SUFFIXES, list_inputs
 from hpctrain.data.tokenizer import EXTRA
+from hpctrain.data.verify import check_token_dir
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
@@ -226,11 +227,23 @@ def check_data_size(c: Config) -> list[str]:
 
 
 def check_prepared(c: Config, data_dir: Path) -> None:
-    """After `prepare`: ValueError (the usual one message) if a split is shorter than a batch."""
-    train, val = tokens_of(c, data_dir)
-    errs = data_size_problems(c, train=train, val=val)
+    """After `prepare`: ValueError (the usual one message) if the prepared directory is
+    damaged, holds ids outside the vocabulary (hpctrain.data.verify) or a split is shorter
+    than a batch."""
+    errs = check_token_dir(data_dir, vocab_size=c.model.vocab_size, rebuild=_rebuild(c, data_dir))
+    if not errs:
+        train, val = tokens_of(c, data_dir)
+        errs = data_size_problems(c, train=train, val=val)
     if errs:
         raise ValueError(format_problems(errs) + f"\n(prepared data: {data_dir})")
+
+
+def _rebuild(c: Config, data_dir: Path) -> str:
+    if c.data.source == "tokens":
+        return ("prepare it again from its corpus (python -m hpctrain task=prepare with that "
+                "corpus's data.* keys) and point data.paths at the new directory")
+    return (f"delete {data_dir} and run again: it is rebuilt from data.paths (python -m "
+            "hpctrain task=prepare with the same data.* keys rebuilds it alone)")
 
 
 def check_vocab(c: Config) -> list[str]:
