@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -12,7 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hpctrain import cli, schema, tasks
-from hpctrain.errors import RunStopped, end_process
+from hpctrain.errors import RunStopped, end_process, storage_stop
 from hpctrain.launch import resolvers
 from hpctrain.launch.record import hydra_record
 from hpctrain.metrics.redact import Secrets, install_log_filter
@@ -32,14 +33,21 @@ def main(cfg: DictConfig) -> dict | None:
     try:  # every user mistake ends here: one message, exit 2, no rank started
         record = hydra_record(cfg, secrets)  # written by the run once it owns the directory
         parsed = parse(cfg)
-        tasks.preflight(parsed)
+        with _storage_errors(parsed.data.cache_dir):
+            tasks.preflight(parsed)
     except ValueError as err:
         log.error("%s", err)
         if _in_sweep():
             raise  # a failed point of a sweep (maybe a Slurm job): Hydra reports it, others go on
         sys.exit(2)
+    except RunStopped as err:  # the data cache cannot be written
+        log.error("%s", err)
+        if _in_sweep():
+            raise
+        sys.exit(err.exit_code)
     try:
-        result = tasks.launch(parsed, record=record)
+        with _storage_errors(parsed.run_dir):
+            result = tasks.launch(parsed, record=record)
         shown = cli.format_result(parsed.task, result) if result else None
         if shown:  # results last, on stdout (logs are on stderr)
             print(shown, flush=True)
@@ -47,12 +55,25 @@ def main(cfg: DictConfig) -> dict | None:
     except (RunStopped, ValueError) as err:  # one message and its exit code, no traceback
         # ValueError: a refusal found once the run started (the run directory is busy, the
         # checkpoint to resume is damaged or of another model); RunStopped: the ranks agreed
-        # to stop (a signal, a non-finite step, a failed rank).
+        # to stop (a signal, a non-finite step, a failed rank), or the disk refused a write.
         log.error("%s", err)
         if _in_sweep():
             raise
         code = err.exit_code if isinstance(err, RunStopped) else 2
     end_process(code)
+
+
+@contextlib.contextmanager
+def _storage_errors(where: str):
+    """A write the storage refused (full, read-only) becomes one message (errors.storage_stop,
+    naming `where` when the error names no file); other OSErrors keep their traceback."""
+    try:
+        yield
+    except OSError as err:
+        stop = storage_stop(err, where=where)
+        if stop is None:
+            raise
+        raise stop from err
 
 
 def _in_sweep() -> bool:
@@ -83,6 +104,12 @@ def _entry() -> None:
         if users_full_error:
             raise
         sys.exit(1)
+    except OSError as err:  # Hydra could not create the run directory (read-only, full)
+        stop = storage_stop(err)
+        if stop is None or users_full_error:
+            raise
+        print(f"error: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
     except Exception as err:
         message = None if users_full_error else cli.hydra_error_message(err)
         if message is None:

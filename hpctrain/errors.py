@@ -8,9 +8,12 @@ traceback.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 
 class RunStopped(RuntimeError):
@@ -42,3 +45,50 @@ def end_process(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+# A storage that refuses writes: full, over quota, read-only, not permitted.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def storage_stop(err: OSError, *, where: str | os.PathLike | None = None) -> RunStopped | None:
+    """A write the storage refused (`STORAGE_ERRNOS`) as one message naming the path (the
+    error's, else `where`: the directory being written), the free space and the fix; None for
+    any other OSError (a bug or a fault to report as it is)."""
+    if err.errno not in STORAGE_ERRNOS:
+        return None
+    named = err.filename or where
+    path = Path(os.path.expanduser(named)) if named else None
+    where = str(path) if err.filename else f"into {path}" if path else "a file"
+    free = ""
+    probe = path
+    while probe is not None and not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if probe is not None:
+            free = f" ({shutil.disk_usage(probe).free / 1e6:.1f} MB free on its filesystem)"
+    except OSError:
+        pass
+    return RunStopped(f"cannot write {where}: {err.strerror}{free}. Free space or make the "
+                      "directory writable, or choose another one (hydra.run.dir=<dir>, "
+                      "data.cache_dir=<dir>), then run the same command again: the checkpoints "
+                      "already saved are intact and a rerun resumes from the newest")
+
+
+class OnceFileHandler(logging.FileHandler):
+    """A log file that stops on its first failed write (a full or read-only disk) with one
+    line on stderr, instead of a traceback for every record that follows."""
+
+    broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        self.broken = True
+        try:
+            sys.stderr.write(f"hpctrain: the log file {self.baseFilename} cannot be written "
+                             f"({sys.exc_info()[1]}): logging to the terminal only\n")
+        except (OSError, ValueError):
+            pass

@@ -123,6 +123,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._reported = False
+        self._beat_failed = False
         self._thread: threading.Thread | None = None
 
     # -- called by the training loop (cheap) ----------------------------------------------
@@ -192,7 +193,10 @@ class Watchdog:
             tmp.write_text(json.dumps(state))
             os.replace(tmp, path)
         except OSError as err:  # a full or vanished run dir must not kill the rank
-            log.warning("cannot write heartbeat %s: %s", path, err)
+            if not self._beat_failed:  # once: the run's own writes report the disk
+                log.warning("cannot write heartbeat %s: %s (peers may not name this rank "
+                            "if it stops)", path, err)
+            self._beat_failed = True
 
     def _warn_slow(self) -> None:
         self._warned = self.current

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from hpctrain.config import Config
 from hpctrain.distributed import rundir
-from hpctrain.errors import RunStopped, end_process
+from hpctrain.errors import RunStopped, end_process, storage_stop
 from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
 from hpctrain.launch.worker import TaskFn, run_rank
@@ -64,6 +64,12 @@ def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, 
     except ValueError as err:  # a user-facing refusal found inside the ranks (e.g. resume)
         _hand_over(pipe, {"stopped": str(err), "exit_code": 2})
         end_process(2)
+    except OSError as err:  # a write the disk refused: one message; anything else: traceback
+        stop = storage_stop(err, where=cfg.run_dir)
+        if stop is None:
+            raise
+        _hand_over(pipe, {"stopped": str(stop), "exit_code": stop.exit_code})
+        end_process(stop.exit_code)
     _hand_over(pipe, out)
 
 

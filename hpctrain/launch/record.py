@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from hpctrain.errors import OnceFileHandler
 from hpctrain.metrics.redact import SecretFilter, Secrets
 
 RECORD_DIR = ".hydra"
@@ -60,7 +61,7 @@ def write_record(run_dir: str | os.PathLike, files: Mapping[str, str]) -> None:
 def log_to_run_dir(run_dir: str | os.PathLike, secrets: Secrets) -> logging.Handler:
     """Append this process's log records to `<run_dir>/hpctrain.log` (secrets masked); the
     caller removes the returned handler when the run ends."""
-    handler = logging.FileHandler(Path(run_dir) / LOG_NAME, mode="a")
+    handler = OnceFileHandler(Path(run_dir) / LOG_NAME, mode="a")
     handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(SecretFilter(secrets))
     logging.getLogger().addHandler(handler)

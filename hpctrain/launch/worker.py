@@ -26,6 +26,7 @@ from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.mesh import Mesh, build_mesh
 from hpctrain.distributed.teardown import close_process_groups
 from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
+from hpctrain.errors import OnceFileHandler
 from hpctrain.metrics.redact import Secrets, install_log_filter
 
 TaskFn = Callable[[Config, Mesh], dict[str, Any]]
@@ -43,7 +44,7 @@ def setup_logging(rank: int, *, log_file: str | os.PathLike | None = None,
     fmt = f"[%(asctime)s rank{rank} %(name)s %(levelname)s] %(message)s"
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if log_file is not None:
-        handlers.append(logging.FileHandler(log_file, mode="a"))
+        handlers.append(OnceFileHandler(log_file, mode="a"))
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True,
                         handlers=handlers)
     install_log_filter(secrets or Secrets.of())
