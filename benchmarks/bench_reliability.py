@@ -12,6 +12,11 @@ the benchmark with it), injects one fault and measures from the fault to the lau
   busy_dir    a second run on a directory that a live run owns (refused)
   damaged     resume after random bytes in the newest checkpoint's shard (fallback)
   wandb_down  logger.wandb=auto with an API key and an unreachable server
+  kill_launcher  dp=2: SIGKILL the launcher (its ranks stop through SIGTERM, with a checkpoint)
+  disk_full   dp=2 on a 3 MB tmpfs: the third checkpoint does not fit; then space is freed and
+              the same command resumes (root only)
+  read_only   a run directory on a read-only filesystem (root only)
+  bad_cache   the prepared token cache truncated to 1,000 tokens (refused before launch)
 
 Usage: python benchmarks/bench_reliability.py [--only sigstop,nan,...] [--out results.json]
 """
@@ -33,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from hpctrain.distributed.rundir import heartbeat_dir  # noqa: E402
+
 BASE = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
         "logger.progress=plain", "train.eval_every=0", "train.log_every=1000"]
 DP2 = ["parallel=dp2", "cluster.procs_per_node=2"]
@@ -50,7 +57,7 @@ def start(run_dir: Path, *over: str, env: dict | None = None) -> subprocess.Pope
 
 def beat(run_dir: Path, rank: int) -> dict | None:
     try:
-        return json.loads((run_dir / "hang" / "heartbeat" / f"rank_{rank}.json").read_text())
+        return json.loads((heartbeat_dir(run_dir) / f"rank_{rank}.json").read_text())
     except (OSError, ValueError):
         return None
 
@@ -98,7 +105,8 @@ def scenario_sigstop(tmp: Path) -> dict:
     report = run_dir / "hang" / "report.txt"
     detect_s = report.stat().st_mtime - wall0 if report.exists() else None
     os.kill(victim, signal.SIGKILL) if _running(victim) else None
-    return {"exit_code": code, "detect_s": detect_s, "exit_s": exit_s,
+    steps = {f"rank{r}_last_beat_step": (beat(run_dir, r) or {}).get("step") for r in (0, 1)}
+    return {"exit_code": code, "detect_s": detect_s, "exit_s": exit_s, **steps,
             "kept": sorted(p.name for p in (run_dir / "hang").iterdir()),
             "message": report.read_text().splitlines()[0][:240] if report.exists() else None}
 
@@ -155,12 +163,15 @@ def scenario_busy_dir(tmp: Path) -> dict:
     run_dir = tmp / "busy"
     owner = start(run_dir, *LONG)
     wait_step(owner, run_dir, ranks=(0,), step=2)
+    record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
     t0 = time.monotonic()
     code, out = finish(start(run_dir, "train.steps=2"))
     refused_s = time.monotonic() - t0
+    untouched = record == {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
     os.killpg(owner.pid, signal.SIGTERM)
     finish(owner)
-    return {"exit_code": code, "refused_s": refused_s, "message": last_error(out)}
+    return {"exit_code": code, "refused_s": refused_s, "message": last_error(out),
+            "live_record_untouched": untouched}
 
 
 def scenario_damaged(tmp: Path) -> dict:
@@ -195,11 +206,76 @@ def scenario_wandb_down(tmp: Path) -> dict:
     return out
 
 
+def scenario_kill_launcher(tmp: Path) -> dict:
+    run_dir = tmp / "kill_launcher"
+    proc = start(run_dir, *DP2, *LONG)
+    wait_step(proc, run_dir)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    code, out = finish(proc)  # the output ends when the last rank has exited
+    return {"exit_code": code, "ranks_gone_s": time.monotonic() - t0,
+            "kept": checkpoints(run_dir)[-1:], "tracebacks": out.count("Traceback"),
+            "message": last_error(out.replace("WARNING", "ERROR"))}
+
+
+def _tmpfs(path: Path, options: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def scenario_disk_full(tmp: Path) -> dict:
+    disk = tmp / "disk_full"
+    if not _tmpfs(disk, "size=3m"):
+        return {"skipped": "cannot mount a tmpfs (needs root)"}
+    try:
+        run = [*DP2, "train.steps=8", "train.checkpoint_every=1", "train.keep=2"]
+        t0 = time.monotonic()
+        code, out = finish(start(disk / "run", *run))
+        full = {"exit_code": code, "run_s": time.monotonic() - t0,
+                "tracebacks": out.count("Traceback"), "kept": checkpoints(disk / "run"),
+                "message": last_error(out)}
+        subprocess.run(["mount", "-o", "remount,size=40m", str(disk)], check=True)
+        t0 = time.monotonic()
+        code, out = finish(start(disk / "run", *run))
+        resumed = [ln for ln in out.splitlines() if "resumed from" in ln]
+        return {"full": full, "after_space_freed": {
+            "exit_code": code, "run_s": time.monotonic() - t0,
+            "resumed": resumed[0][-120:] if resumed else None}}
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def scenario_read_only(tmp: Path) -> dict:
+    disk = tmp / "read_only"
+    if not _tmpfs(disk, "size=1m,ro"):
+        return {"skipped": "cannot mount a tmpfs (needs root)"}
+    try:
+        t0 = time.monotonic()
+        code, out = finish(start(disk / "run", "train.steps=2"))
+        return {"exit_code": code, "refused_s": time.monotonic() - t0,
+                "tracebacks": out.count("Traceback"), "message": out.strip()[-240:]}
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def scenario_bad_cache(tmp: Path) -> dict:
+    cache = ["train.steps=2", f"data.cache_dir={tmp / 'cache'}"]
+    finish(start(tmp / "cache_ok", *cache))
+    (train,) = (tmp / "cache" / "data").glob("*/train.bin")
+    with open(train, "r+b") as f:
+        f.truncate(2000)  # 1,000 uint16 tokens left
+    t0 = time.monotonic()
+    code, out = finish(start(tmp / "cache_bad", *cache))
+    return {"exit_code": code, "refused_s": time.monotonic() - t0,
+            "ranks_started": "rank0" in out, "message": last_error(out)}
+
+
 def watchdog_cost(tmp: Path) -> dict:
     from hpctrain.distributed.watchdog import Watchdog
 
     wd = Watchdog(tmp / "wd", rank=0, world_size=1, timeout_s=300)
-    (wd.dir / "heartbeat").mkdir(parents=True, exist_ok=True)  # what start() prepares
+    wd.beats_dir.mkdir(parents=True, exist_ok=True)  # what start() prepares
     n = 200_000
     step_us = timeit.timeit(lambda: wd.step(1), number=n) / n * 1e6
     beat_us = timeit.timeit(wd._write_beat, number=500) / 500 * 1e6
