@@ -76,6 +76,17 @@ def _gone(beat: Beat) -> bool:
         return False
 
 
+def _peers_ahead(beats: dict[int, Beat | None], beat: Beat, rank: int) -> str:
+    """The step the other ranks reached when it is past the heartbeat's (a beat is written
+    within a second of a new step: several short steps can pass in between)."""
+    others = [b["step"] for r, b in beats.items()
+              if r != rank and b and isinstance(b.get("step"), int)]
+    mine = beat.get("step")
+    if not others or not isinstance(mine, int) or max(others) <= mine:
+        return ""
+    return f"; the ranks still running reached step {max(others)} and wait for it there"
+
+
 def _at(beat: Beat) -> str:
     return f"step {beat.get('step')} ({beat.get('phase')})"
 
@@ -88,10 +99,11 @@ def suspects(beats: dict[int, Beat | None], *, now: float, stale_s: float) -> li
             continue
         age = now - float(beat.get("beat", 0.0))
         if _gone(beat):
-            named.append((rank, f"has exited (pid {beat.get('pid')} is gone), last in {_at(beat)}"))
+            named.append((rank, f"has exited (pid {beat.get('pid')} is gone), last in "
+                                f"{_at(beat)}{_peers_ahead(beats, beat, rank)}"))
         elif age > stale_s:
             named.append((rank, f"stopped responding: its last heartbeat, {age:.0f} s ago, "
-                                f"was in {_at(beat)}"))
+                                f"was in {_at(beat)}{_peers_ahead(beats, beat, rank)}"))
     if named:
         return named
     steps = {r: b["step"] for r, b in beats.items() if b and b.get("step") is not None}

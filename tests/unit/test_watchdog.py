@@ -68,6 +68,11 @@ def test_suspects_names_the_silent_rank_then_the_one_behind():
     beats = {0: _beat(0, step=7, age=0.5, now=now), 1: _beat(1, step=7, age=20, now=now)}
     assert [r for r, _ in hang_report.suspects(beats, now=now, stale_s=5)] == [1]
     assert "stopped responding" in hang_report.suspects(beats, now=now, stale_s=5)[0][1]
+    assert "reached step" not in hang_report.suspects(beats, now=now, stale_s=5)[0][1]
+    beats[0] = _beat(0, step=9, age=0.5, now=now)  # short steps: its beat lags the step
+    assert hang_report.suspects(beats, now=now, stale_s=5)[0][1].endswith(
+        "was in step 7 (train); the ranks still running reached step 9 and wait for it there")
+    beats[0] = _beat(0, step=7, age=0.5, now=now)
     beats[1] = _beat(1, step=6, age=0.5, now=now)
     (rank, why), = hang_report.suspects(beats, now=now, stale_s=5)
     assert rank == 1 and "behind in step 6" in why
