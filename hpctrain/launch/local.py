@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 
 from hpctrain.config import Config
 from hpctrain.distributed import rundir
+from hpctrain.distributed.device import resolve_device_type
 from hpctrain.errors import RunStopped, end_process, storage_stop
 from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
@@ -91,6 +93,9 @@ def launch_local(cfg: Config, task: TaskFn) -> dict[str, Any]:
         raise ValueError(f"cluster=local runs on one node but cluster.nodes={cfg.cluster.nodes}: "
                          "use cluster=slurm for several nodes")
     world = cfg.cluster.world_size
+    warning = oversubscribed(cfg, cores=usable_cores())
+    if warning:
+        log.warning("%s", warning)
     store_path = _store_path(cfg)
     if world == 1:
         return _in_process(cfg, task, store_path)
@@ -107,6 +112,27 @@ def launch_local(cfg: Config, task: TaskFn) -> dict[str, Any]:
                         stop_grace_s=cfg.cluster.signal_delay_s)
     merged = [results[r] for r in sorted(results) if results[r]]
     return merged[0] if merged else {}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a Slurm or cgroup limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def oversubscribed(cfg: Config, *, cores: int) -> str | None:
+    """The warning for CPU ranks whose threads outnumber this machine's cores, else None."""
+    if resolve_device_type(cfg.cluster.device) != "cpu":
+        return None
+    threads = cfg.cluster.world_size * cfg.cluster.threads_per_proc
+    if threads <= cores:
+        return None
+    return (f"{cfg.cluster.world_size} rank(s) × cluster.threads_per_proc="
+            f"{cfg.cluster.threads_per_proc} = {threads} threads on {cores} core(s): the ranks "
+            "oversubscribe this machine, so step times measure the contention, not the layout "
+            "(fewer ranks or threads run faster here)")
 
 
 def _in_process(cfg: Config, task: TaskFn, store_path: Path) -> dict[str, Any]:

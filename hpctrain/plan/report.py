@@ -21,8 +21,12 @@ def plan_report(
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     in_flight: int | None = None, dp_overlap: float = 0.0,
     attended_per_token: float | None = None, fp8: bool = False,
+    usable_bytes: float | None = None,
 ) -> dict:
     """Memory (bytes) and time predictions for one layout, with every input echoed.
+
+    fits: the predicted peak is at most `usable_bytes` (the device memory less plan.headroom,
+    the limit parallel=auto and the pre-launch check use); None: the whole device.
 
     in_flight: activation sets alive at the peak (from the pipeline simulator); None takes the
     closed form `in_flight_microbatches`. attended_per_token: see `plan.time.step_time`.
@@ -39,6 +43,7 @@ def plan_report(
                              precision=precision, dp_overlap=dp_overlap, in_flight=in_flight,
                              attended_per_token=attended_per_token, fp8=fp8)
     mem, t = scored.memory, scored.time
+    usable = float(cluster.device.memory_bytes if usable_bytes is None else usable_bytes)
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}
     memory.update(total=mem.total, host=mem.host, staging=mem.staging)
     inputs = {
@@ -53,7 +58,8 @@ def plan_report(
         **_param_counts(model),
         "memory_bytes": memory,
         "device_memory_bytes": cluster.device.memory_bytes,
-        "fits": mem.fits(cluster.device.memory_bytes),
+        "usable_memory_bytes": usable,
+        "fits": mem.fits(usable),
         "time": asdict(t),
         "step_time_s": t.step_time_s,
         "tokens_per_s": t.tokens_per_s,
@@ -85,7 +91,9 @@ def format_plan_table(report: dict) -> str:
     if mem["host"]:
         rows.append(("host (offload)", f"{mem['host'] / GIB:.2f} GiB"))
     cap = report["device_memory_bytes"] / GIB
-    rows.append(("fits", f"{'yes' if report['fits'] else 'NO'} (device {cap:.1f} GiB)"))
+    usable = report.get("usable_memory_bytes", report["device_memory_bytes"]) / GIB
+    rows.append(("fits", f"{'yes' if report['fits'] else 'NO'} ({mem['total'] / GIB:.2f} of "
+                         f"{usable:.1f} GiB usable; device {cap:.1f} GiB)"))
     t = report["time"]
     keys = ("step_time_s", "compute_s", "comm_tp_s", "comm_pp_s", "bubble_s", "comm_dp_s")
     for key in keys + (("comm_ep_s",) if moe else ()):

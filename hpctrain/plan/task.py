@@ -10,6 +10,7 @@ valid layout for `plan.n_devices`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from hpctrain.plan.calibrate_run import read_run, refine, run_device
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
-from hpctrain.plan.search import search_layouts
+from hpctrain.plan.search import GIB, search_layouts
 from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)
@@ -144,9 +145,14 @@ def run_plan(cfg: Config) -> dict[str, Any]:
     common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                   seq_len=t.seq_len, precision=t.precision, attended_per_token=attended,
                   fp8=t.fp8 and cluster.device.fp8_flops is not None)
+    # fits: against the memory parallel=auto and the pre-launch check use (the limit less
+    # plan.headroom), so the three never disagree
+    limit = (settings.memory_limit_gb * GIB if settings.memory_limit_gb is not None
+             else cluster.device.memory_bytes)
+    usable = limit * (1 - settings.headroom)
     report = plan_report(cfg.model, cluster, layout=layout_of(cfg),
                          recompute=t.activation_checkpointing, in_flight=simulated_in_flight(cfg),
-                         dp_overlap=settings.dp_overlap, **common)
+                         dp_overlap=settings.dp_overlap, usable_bytes=usable, **common)
     if calibration is not None:
         report["calibration"] = calibration
         log.info("calibrated %s from %s (%s): achievable_fraction %.3g → %.3g, step-time "
@@ -157,7 +163,9 @@ def run_plan(cfg: Config) -> dict[str, Any]:
     text = [f"plan for {cfg.model.name} on {cluster.device.name}:", format_plan_table(report)]
     if settings.search:
         n = settings.n_devices or cfg.cluster.world_size
-        found = search_layouts(cfg.model, cluster, n_devices=n, dp_overlap=settings.dp_overlap,
+        budget = cluster.with_(device=dataclasses.replace(cluster.device,
+                                                          memory_bytes=int(usable)))
+        found = search_layouts(cfg.model, budget, n_devices=n, dp_overlap=settings.dp_overlap,
                                schedules=list(settings.schedules),
                                zero_stages=list(settings.zero_stages),
                                exact_top=settings.top, **common)

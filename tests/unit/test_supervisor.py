@@ -124,3 +124,16 @@ def test_ranks_that_stop_right_after_their_message_stop_the_job(tmp_path, dies_a
     with pytest.raises(JobStopped) as stopped:
         supervise(ranks, ranks, run_dir=tmp_path, stop_grace_s=5, fail_grace_s=1.0)
     assert str(stopped.value) == stop["stopped"] and stopped.value.exit_code == 3
+
+
+def test_ranks_that_oversubscribe_the_cores_are_told():
+    from hpctrain.launch.local import oversubscribed
+    from tests.conftest import make_config
+
+    four = make_config(["model=debug", "train=debug", "parallel.dp=4",
+                        "cluster.procs_per_node=4", "cluster.device=cpu",
+                        "train.global_batch_size=8"])
+    assert oversubscribed(four, cores=2).startswith(
+        "4 rank(s) × cluster.threads_per_proc=1 = 4 threads on 2 core(s): the ranks "
+        "oversubscribe this machine")
+    assert oversubscribed(four, cores=4) is None
