@@ -129,6 +129,7 @@ class CompileWatch:
         self.warm_steps, self.steps = warm_steps, 0
         self.start = compile_stats()
         self.recompiles = 0
+        self.train_graphs = 0
 
     @contextlib.contextmanager
     def step(self):
@@ -138,8 +139,10 @@ class CompileWatch:
         self.steps += 1
         now = compile_stats()
         if self.steps == self.warm_steps and now.graphs > self.start.graphs:
-            log.info("compiled %d graph(s) in %.1f s", now.graphs - self.start.graphs,
-                     now.seconds - self.start.seconds)
+            self.train_graphs = now.graphs - self.start.graphs
+            log.info("compiled %d graph(s) for the train step in %.1f s (an eval forward "
+                     "compiles its own, counted in the summary's compiled_graphs)",
+                     self.train_graphs, now.seconds - self.start.seconds)
         new = now.graphs - before.graphs
         if self.steps > self.warm_steps and new:
             self.recompiles += new
@@ -149,5 +152,6 @@ class CompileWatch:
     def summary(self) -> dict[str, float | int]:
         now = compile_stats()
         return {"compile_s": round(now.seconds - self.start.seconds, 3),
-                "compiled_graphs": now.graphs - self.start.graphs,
+                "compiled_graphs": now.graphs - self.start.graphs,  # train + eval + after warm-up
+                "compiled_graphs_train_step": self.train_graphs,
                 "recompiles_after_warmup": self.recompiles}

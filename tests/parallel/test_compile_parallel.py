@@ -41,4 +41,5 @@ def test_compiled_blocks_follow_eager(world2, tmp_path, eager_trajectory, layout
     assert_trajectory_close(got, eager_trajectory)
     for _, stats in runs:
         assert stats["compiled_graphs"] >= 1 and stats["compile_s"] > 0, stats
+        assert 1 <= stats["compiled_graphs_train_step"] <= stats["compiled_graphs"], stats
         assert stats["recompiles_after_warmup"] == 0, stats
