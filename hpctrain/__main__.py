@@ -104,13 +104,13 @@ def _entry() -> None:
         if users_full_error:
             raise
         sys.exit(1)
-    except OSError as err:  # Hydra could not create the run directory (read-only, full)
-        stop = storage_stop(err)
-        if stop is None or users_full_error:
-            raise
-        print(f"error: {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
     except Exception as err:
+        # Hydra could not create the run directory (read-only, full): one message. (Hydra's
+        # MissingConfigException is an OSError too, without an errno: the branch below.)
+        stop = storage_stop(err) if isinstance(err, OSError) else None
+        if stop is not None and not users_full_error:
+            print(f"error: {stop}", file=sys.stderr)
+            sys.exit(stop.exit_code)
         message = None if users_full_error else cli.hydra_error_message(err)
         if message is None:
             raise
