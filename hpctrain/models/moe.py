@@ -158,7 +158,8 @@ class MoE(nn.Module):
                                                   (y_AD * r.gate_A[:, None]).to(x_TD.dtype))
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
-        if torch.is_grad_enabled():  # a training forward: its losses and statistics count
+        if torch.is_grad_enabled() and not in_backward():  # a training forward, not its
+            # recomputation under activation checkpointing: its losses and statistics count once
             loss = r.aux + r.z
             self.pending_loss = loss if self.pending_loss is None else self.pending_loss + loss
             self._record(r)
@@ -172,6 +173,12 @@ class MoE(nn.Module):
         s.aux += float(r.aux.detach())
         s.z += float(r.z.detach())
         s.forwards += 1
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now: a forward here is activation
+    checkpointing's recomputation (torch.utils.checkpoint reruns the block in backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

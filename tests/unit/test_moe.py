@@ -107,6 +107,8 @@ def test_layer_matches_per_token_reference_and_records_losses():
     (["model=debug_moe", "parallel.dp=1", "parallel.ep=2"], "choose ep dividing dp"),
     (["model=debug_moe", "parallel.cp=2"], "set parallel.cp=1"),
     (["model=debug_moe", "parallel.tp=2", "parallel.sp=true"], "set parallel.sp=false"),
+    (["model=debug_moe", "parallel.dp=2", "parallel.ep=2", "cluster.procs_per_node=2",
+      "train.activation_checkpointing=full"], "activation_checkpointing=selective, or parallel"),
     (["model=debug_moe", "parallel.tp=2", "parallel.pp=2", "cluster.procs_per_node=4",
       "train.global_batch_size=8", "train.micro_batch_size=1"], "set parallel.tp=1 or"),
 ])
@@ -160,3 +162,48 @@ def test_aux_loss_balances_the_router_and_its_absence_does_not():
     assert end_on < 0.4 * on[0], on
     assert end_off > 0.5 * off[0], off
     assert end_on < 0.5 * end_off
+
+
+def _recompute_run(mode: str, *, steps: int = 3) -> list[tuple]:
+    """(loss, grad norm, router losses, tokens per expert, forwards counted) of each step of a
+    2-block all-MoE model under activation checkpointing `mode`, one process, fixed seeds."""
+    from hpctrain.config import OptimConfig
+    from hpctrain.models.checkpointing import apply_activation_checkpointing
+    from hpctrain.parallel.data.engine import DataParallel
+    from hpctrain.parallel.data.zero import NormSpec
+    from hpctrain.parallel.scaler import LossScaler
+
+    cfg = moe_cfg(num_experts=4, every=1, aux_loss_coef=0.1, z_loss_coef=0.01).with_(n_layers=2)
+    model = build_model(cfg, seed=0)
+    apply_activation_checkpointing(model, mode)
+    engine = DataParallel(model, group=None, batch_group=None, zero=0, precision="fp32",
+                          optim=OptimConfig(lr=1e-2, weight_decay=0.0), norm=NormSpec())
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        rows = [torch.randint(0, cfg.vocab_size, (4, 17), generator=g) for _ in range(2)]
+        result = engine.train_step([(r[:, :-1], r[:, 1:]) for r in rows], n_micro=2,
+                                   precision="fp32", scaler=LossScaler(enabled=False),
+                                   grad_clip=0.0)
+        stats = take_moe_stats(model)
+        assert take_router_loss(model) is None  # nothing left over for the next step
+        out.append((result.loss, result.grad_norm, [s.aux + s.z for s in stats],
+                    [s.routed_E.tolist() for s in stats], [s.forwards for s in stats]))
+    return out
+
+
+@pytest.mark.parametrize("mode,early_stop", [("selective", True), ("full", True),
+                                             ("full", False)])
+def test_moe_under_activation_checkpointing_equals_no_recompute(mode, early_stop):
+    """Full recompute reruns each MoE block in backward: its router losses are not added
+    again and its routing is not counted twice. (torch stops a recomputation once the saved
+    tensors are back, which happens to end before the MoE's bookkeeping in this block; without
+    that early stop the rerun reaches it: seen red, two routings counted per forward.)"""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    ref = _recompute_run("none")
+    with set_checkpoint_early_stop(early_stop):
+        got = _recompute_run(mode)
+    for (l0, n0, r0, e0, f0), (l1, n1, r1, e1, f1) in zip(ref, got, strict=True):
+        assert l1 == pytest.approx(l0, rel=1e-6) and n1 == pytest.approx(n0, rel=1e-6)
+        assert r1 == pytest.approx(r0, rel=1e-6) and e1 == e0 and f1 == f0 == [2, 2]
