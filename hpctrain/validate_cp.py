@@ -9,6 +9,7 @@ Whatever is not built yet with cp > 1 is refused here, never run silently wrong.
 from __future__ import annotations
 
 from hpctrain.config import Config
+from hpctrain.parallel.context.backends import BLOCK_BACKENDS
 
 
 def check_cp(c: Config) -> list[str]:
@@ -23,6 +24,11 @@ def check_cp(c: Config) -> list[str]:
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
                     f"that is a multiple of {2 * p.cp} (e.g. {near}), or parallel.cp in {ok}")
+    if c.model.attention not in BLOCK_BACKENDS:
+        errs.append(f"model.attention={c.model.attention} with parallel.cp={p.cp}: ring "
+                    f"attention has no {c.model.attention} block yet, so each block would run "
+                    "the eager math and store its scores: use model.attention=triton (its "
+                    "kernels run inside the ring), sdpa or eager")
     if c.train.compile != "none":  # ring attention's p2p inside the blocks: not tried yet
         errs.append(f"parallel.cp={p.cp} with train.compile={c.train.compile} is not "
                     "implemented yet: set train.compile=none")

@@ -44,3 +44,20 @@ def test_cp_mistakes_are_refused_with_the_fix(overrides, text, tmp_path):
     assert text in str(err.value)
 
 
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_backends_without_a_ring_block_are_refused_not_run_eagerly(backend, tmp_path):
+    """flex and flash would run the eager block math under cp (every block's scores stored):
+    refused naming the backends that run inside the ring."""
+    import dataclasses
+
+    from hpctrain.validate_cp import check_cp
+
+    cfg = make_config(["model=debug", "train=debug", "parallel=cp2", "cluster.procs_per_node=2"],
+                      run_dir=tmp_path)
+    assert check_cp(cfg) == []
+    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=backend))
+    (err,) = check_cp(bad)
+    assert err.startswith(f"model.attention={backend} with parallel.cp=2: ring attention has "
+                          f"no {backend} block yet") and "use model.attention=triton" in err

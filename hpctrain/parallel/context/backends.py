@@ -1,12 +1,12 @@
 """The per-block math of ring and all-gather attention for each `model.attention` backend.
 
 A block function pair is (forward(q, k, v, block) → (o, lse), backward(q, k, v, block, dO,
-lse, D) → (dq, dk, dv)), with `block` a blocks.Block. `eager` (and the backends without a
-block form: flex, flash) use the eager math of blocks.py; `sdpa` torch's fused CPU forward
-(sdpa_lse.py) with the eager backward; `triton` hpctrain's FlashAttention-2 kernels in both
-directions (ops/triton_attention_block.py), which build each block's mask from the chunks'
-document ids inside their tiles (ring.block_mask still forms the boolean B×C×C mask, to skip
-empty blocks) and never hold a C×C score matrix.
+lse, D) → (dq, dk, dv)), with `block` a blocks.Block. `eager` uses the eager math of
+blocks.py; `sdpa` torch's fused CPU forward (sdpa_lse.py) with the eager backward; `triton`
+hpctrain's FlashAttention-2 kernels in both directions (ops/triton_attention_block.py), which
+build each block's mask from the chunks' document ids inside their tiles (ring.block_mask still
+forms the boolean B×C×C mask, to skip empty blocks) and never hold a C×C score matrix. flex
+and flash have no block form yet: refused under cp (BLOCK_BACKENDS).
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def triton_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BN
 
 
 BlockFns = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., tuple]]
+
+
+# Backends whose own math runs each block of the ring (eager's is the reference). flex and
+# flash have no block form here yet: hpctrain.validate_cp refuses them under cp instead of
+# running the eager math behind the user's back (it stores each block's C×C scores).
+BLOCK_BACKENDS = ("eager", "sdpa", "triton")
 
 
 def block_functions(backend: str) -> BlockFns:
