@@ -81,8 +81,9 @@ class ParallelConfig:
     timeline: bool = False  # pp > 1: write the last step's measured timeline (JSON + PNG)
     # parallel=auto: the planner chooses every degree, the schedule, ZeRO and activation
     # checkpointing at launch (hpctrain.plan.auto); the values above are replaced, except the
-    # keys named in `fixed`, which the search keeps as given (parallel.<key> or
-    # train.activation_checkpointing given on the command line with parallel=auto lands here).
+    # keys named in `fixed`, which the search keeps as given ("key" or "key=value"; parse adds
+    # every parallel.<key> or train.activation_checkpointing given with parallel=auto and
+    # records each value as given, e.g. "parallel.pp=1").
     auto: bool = False
     fixed: tuple[str, ...] = ()
 

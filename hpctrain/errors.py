@@ -54,22 +54,28 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCE
 def storage_stop(err: OSError, *, where: str | os.PathLike | None = None) -> RunStopped | None:
     """A write the storage refused (`STORAGE_ERRNOS`) as one message naming the path (the
     error's, else `where`: the directory being written), the free space and the fix; None for
-    any other OSError (a bug or a fault to report as it is)."""
+    any other OSError (a bug or a fault to report as it is). Permission errors may come from
+    a read as well: they say "cannot access" and ask for permissions."""
     if err.errno not in STORAGE_ERRNOS:
         return None
     named = err.filename or where
     path = Path(os.path.expanduser(named)) if named else None
-    where = str(path) if err.filename else f"into {path}" if path else "a file"
     free = ""
-    probe = path
-    while probe is not None and not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
+    try:  # the nearest existing directory's filesystem (exists() itself may be refused)
+        probe = path
+        while probe is not None and not os.path.exists(probe) and probe != probe.parent:
+            probe = probe.parent
         if probe is not None:
             free = f" ({shutil.disk_usage(probe).free / 1e6:.1f} MB free on its filesystem)"
     except OSError:
         pass
-    return RunStopped(f"cannot write {where}: {err.strerror}{free}. Free space or make the "
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return RunStopped(f"cannot access {path or 'a file'}: {err.strerror}. Give this user "
+                          "read and write permission there, or choose another directory "
+                          "(hydra.run.dir=<dir>, data.cache_dir=<dir>), then run the same "
+                          "command again")
+    what = str(path) if err.filename else f"into {path}" if path else "a file"
+    return RunStopped(f"cannot write {what}: {err.strerror}{free}. Free space or make the "
                       "directory writable, or choose another one (hydra.run.dir=<dir>, "
                       "data.cache_dir=<dir>), then run the same command again: the checkpoints "
                       "already saved are intact and a rerun resumes from the newest")
@@ -77,7 +83,8 @@ def storage_stop(err: OSError, *, where: str | os.PathLike | None = None) -> Run
 
 class OnceFileHandler(logging.FileHandler):
     """A log file that stops on its first failed write (a full or read-only disk) with one
-    line on stderr, instead of a traceback for every record that follows."""
+    line on stderr, instead of a traceback for every record that follows; other errors of a
+    record (a bad format string) are logging's usual report and change nothing."""
 
     broken = False
 
@@ -86,9 +93,30 @@ class OnceFileHandler(logging.FileHandler):
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            self._fail(err)
+        else:
+            super().handleError(record)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as err:  # what the disk refused stays unwritten; the run goes on
+            self._fail(err)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as err:
+            self._fail(err)
+
+    def _fail(self, err: OSError) -> None:
+        if self.broken:
+            return
         self.broken = True
         try:
             sys.stderr.write(f"hpctrain: the log file {self.baseFilename} cannot be written "
-                             f"({sys.exc_info()[1]}): logging to the terminal only\n")
+                             f"({err}): logging to the terminal only\n")
         except (OSError, ValueError):
             pass

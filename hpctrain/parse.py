@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 
 from hpctrain.config import Config, collect
 from hpctrain.config_build import Problem, format_problems
-from hpctrain.plan.auto import FIXABLE, choose_layout, fit_problems
+from hpctrain.plan.auto import FIXABLE, choose_layout, fit_problems, fixed_value
 from hpctrain.validate import key_problems, problems_of, validate
+from hpctrain.validate_keys import key_value
 
 
 def parse(cfg, *, run_dir: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -60,8 +61,10 @@ _OVERRIDE_KEY = re.compile(r"^\+{0,2}([\w.]+)=")
 
 
 def _with_fixed(config: Config, overrides: list[str]) -> tuple[Config, list[Problem]]:
-    """`config` whose parallel.fixed also holds the layout keys of `overrides` (parallel=auto
-    only), and the problems of parallel.fixed: names outside FIXABLE, or set without auto."""
+    """`config` whose parallel.fixed holds `key=value` for every key it names and every layout
+    key among `overrides` (parallel=auto only), the values as given before the search; and the
+    problems of parallel.fixed: names outside FIXABLE, values of the wrong type, set without
+    auto."""
     given = [m.group(1) for o in overrides if (m := _OVERRIDE_KEY.match(o))]
     p = config.parallel
     if not p.auto:
@@ -69,11 +72,24 @@ def _with_fixed(config: Config, overrides: list[str]) -> tuple[Config, list[Prob
             return config, [Problem("parallel.fixed", f"parallel.fixed={list(p.fixed)} only "
                                     "applies to parallel=auto: remove it, or add parallel=auto")]
         return config, []
-    fixed = tuple(dict.fromkeys([*p.fixed, *(k for k in given if k in FIXABLE)]))
-    bad = [k for k in fixed if k not in FIXABLE]
-    if bad:
-        return config, [Problem("parallel.fixed", f"parallel.fixed has {bad}: choose from "
-                                f"{', '.join(FIXABLE)}")]
+    entries: dict[str, str] = {}
+    for item in [*p.fixed, *(k for k in given if k in FIXABLE)]:
+        name, sep, text = item.partition("=")
+        if name not in FIXABLE:
+            return config, [Problem("parallel.fixed", f"parallel.fixed has {name!r}: choose "
+                                    f"from {', '.join(FIXABLE)}")]
+        current = key_value(config, name)
+        if not sep:
+            text = str(current).lower() if isinstance(current, bool) else str(current)
+        try:
+            fixed_value(current, text)
+        except ValueError:
+            kind = ("true or false" if isinstance(current, bool) else "a whole number"
+                    if isinstance(current, int) else "a name")
+            return config, [Problem("parallel.fixed", f"parallel.fixed has {item!r}: "
+                                    f"{name} takes {kind}")]
+        entries.setdefault(name, text)
+    fixed = tuple(f"{name}={text}" for name, text in entries.items())
     return dataclasses.replace(config, parallel=dataclasses.replace(p, fixed=fixed)), []
 
 

@@ -98,6 +98,9 @@ def launch(cfg: Config, *, record: Mapping[str, str] | None = None) -> dict[str,
         return ONCE_TASKS[cfg.task](cfg)
     slurm = cfg.cluster.launcher == "slurm"
     owner = not slurm or os.environ.get("SLURM_PROCID") == "0"
+    if not owner:  # the other Slurm tasks touch the directory only once task 0 owns it
+        rundir_lock.wait_for_owner(cfg.run_dir, job_id=os.environ.get("SLURM_JOB_ID"),
+                                   timeout_s=cfg.cluster.timeout_s)
     with rundir_lock.held(cfg.run_dir, enabled=owner):
         handler = log_to_run_dir(cfg.run_dir, secrets) if owner else None
         try:

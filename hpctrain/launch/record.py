@@ -51,8 +51,11 @@ def write_record(run_dir: str | os.PathLike, files: Mapping[str, str]) -> None:
         return
     out = Path(run_dir) / RECORD_DIR
     out.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
     for name, text in files.items():
         fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
+        os.fchmod(fd, 0o666 & ~umask)  # as any file the run writes (mkstemp makes it 0600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, out / name)

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,25 @@ def release(path: Path) -> None:
     if owner is not None and owner.get("pid") == os.getpid() \
             and owner.get("host") == socket.gethostname():
         path.unlink(missing_ok=True)
+
+
+def wait_for_owner(run_dir: str | Path, *, job_id: str | None, timeout_s: float,
+                   poll_s: float = 0.2) -> None:
+    """A Slurm task other than 0: return once task 0 of this job holds the lock, before this
+    task touches the directory (its log, its rank files); RunDirBusy after `timeout_s`. When
+    another run holds it, task 0 is refused and exits 2, which ends the job step."""
+    path = Path(run_dir) / LOCK_NAME
+    deadline = time.monotonic() + timeout_s
+    while True:
+        owner = _read(path)
+        if owner is not None and owner.get("slurm_job_id") == job_id:
+            return
+        if time.monotonic() > deadline:
+            held_by = f": it is held by {_describe(owner)}" if owner else ""
+            raise RunDirBusy(f"run directory {run_dir}: task 0 of Slurm job {job_id} did not "
+                             f"take its lock within {timeout_s:g} s (cluster.timeout_s)"
+                             f"{held_by}")
+        time.sleep(poll_s)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
@@ -27,8 +28,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.data.prepare import prepare
+from hpctrain.launch.record import RECORD_DIR, write_record
 from hpctrain.launch.sweep_check import parsed_points, sweep_points
 from hpctrain.launch.sweep_results import read_result
+from hpctrain.metrics.redact import Secrets
 from hpctrain.validate import reads_data
 from hpctrain.validate_inputs import check_prepared
 
@@ -159,8 +162,14 @@ class SweepSummary(Callback):
             return
         err = job_return._return_value
         text = "".join(traceback.format_exception(err)) if isinstance(err, BaseException) else ""
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
         (run_dir / "error.txt").write_text(f"{type(err).__name__}: {err}\n\n{text}")
+        if not (run_dir / RECORD_DIR / "overrides.yaml").exists():  # failed before the lock
+            secrets = Secrets.of(config.get("cluster", {}).get("env") or {},
+                                 config.get("logger", {}).get("redact") or ())
+            write_record(run_dir, {"overrides.yaml": yaml.safe_dump(
+                secrets.data(list(hydra_cfg.overrides.task)))})
 
     def _write_if_pending(self) -> None:
         if self.sweep_dir is None or self.written:

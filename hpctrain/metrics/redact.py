@@ -21,13 +21,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CREDENTIAL_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "AUTH", "CREDENTIAL",
-                    "CREDENTIALS", "PRIVATE")
+CREDENTIAL_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "PWD", "AUTH",
+                    "CREDENTIAL", "CREDENTIALS", "PRIVATE")
 # Environment names with a credential word that hold paths or sockets, not secrets.
 NOT_SECRET = frozenset({"PWD", "OLDPWD", "SSH_AUTH_SOCK", "XAUTHORITY", "KRB5CCNAME",
                         "GPG_AGENT_INFO", "SSH_AGENT_PID"})
 MASK = "***"
 MIN_LEN = 6
+ENV_MAPPINGS = ("env", "env_set")  # cluster.env, Hydra's hydra.job.env_set: masked by name
 _PARTS = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 _OVERRIDE = re.compile(r"^(\+{0,2}(?:[\w.]+\.)?env\.)([\w.-]+)=(.+)$")
 
@@ -47,7 +48,12 @@ def is_secret(name: str, listed: Iterable[str] = ()) -> bool:
 
 
 def _is_path(value: str) -> bool:
-    return value.startswith(("/", "~", "./", "../")) or (os.sep in value and os.path.exists(value))
+    """A path that exists (a credential file's location, a socket): never a secret itself. A
+    value that only looks like one (a base64 key may start with "/") is still masked."""
+    try:
+        return os.sep in value and os.path.exists(os.path.expanduser(value))
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -77,16 +83,20 @@ class Secrets:
         the credential-named entries of an `env` mapping (cluster.env) and `...env.NAME=v`
         override strings masked whole."""
         if isinstance(value, Mapping):
-            return {k: (MASK if key == "env" and is_secret(k, self.listed) and v not in (None, "")
+            env = key in ENV_MAPPINGS
+            return {k: (MASK if env and is_secret(k, self.listed) and v not in (None, "")
                         else self.data(v, key=str(k))) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return type(value)(self.data(v) for v in value)
-        if isinstance(value, str):
-            m = _OVERRIDE.match(value)
-            if m and is_secret(m.group(2), self.listed):
-                return f"{m.group(1)}{m.group(2)}={MASK}"
-            return self.text(value)
+        if isinstance(value, str):  # also Hydra's override_dirname: overrides joined by ","
+            return self.text(",".join(self._override(part) for part in value.split(",")))
         return value
+
+    def _override(self, text: str) -> str:
+        m = _OVERRIDE.match(text)
+        if m and is_secret(m.group(2), self.listed):
+            return f"{m.group(1)}{m.group(2)}={MASK}"
+        return text
 
 
 class SecretFilter(logging.Filter):

@@ -112,9 +112,23 @@ def _usable(cfg: Config, cluster: ClusterSpec) -> float:
 
 
 def fixed_values(cfg: Config) -> dict[str, Any]:
-    """key → value of every key parallel.fixed keeps (`FIXABLE`), as `cfg` gives it."""
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-            for key in cfg.parallel.fixed}
+    """key → value of every `key=value` of parallel.fixed (parse records the values as given,
+    before the search replaces the layout: the config holds the winner's afterwards)."""
+    out = {}
+    for entry in cfg.parallel.fixed:
+        key, _, text = entry.partition("=")
+        group, name = key.split(".")
+        out[key] = fixed_value(getattr(getattr(cfg, group), name), text)
+    return out
+
+
+def fixed_value(like: Any, text: str) -> Any:
+    """`text` as a value of the type of `like` (int, bool or str); ValueError otherwise."""
+    if isinstance(like, bool):
+        if text not in ("true", "false"):
+            raise ValueError(text)
+        return text == "true"
+    return int(text) if isinstance(like, int) else text
 
 
 def _keeps(cfg: Config) -> Callable[[Layout, str], bool] | None:

@@ -11,6 +11,7 @@ from hpctrain.metrics.redact import MASK, SecretFilter, Secrets, is_secret
 
 
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "DB_PASSWD", "HF_AUTH",
+                                  "MYSQL_PWD", "DB_PASS",
                                   "OAUTH_CLIENT", "GhToken", "AWS_SECRET_ACCESS_KEY",
                                   "GOOGLE_CREDENTIALS", "PRIVATE_KEY", "db_password", "APIKEY"])
 def test_credential_names(name):
@@ -24,13 +25,17 @@ def test_names_that_are_not_credentials(name):
 
 
 def test_listed_names_and_values_of_the_environment_and_cluster_env(tmp_path):
+    (tmp_path / "creds.json").write_text("{}")  # a credential file's path is not a secret
     environ = {"DB_PASSWD": "pa55-w0rd", "HF_AUTH": "hf_auth_value", "TEAM": "team-name-x",
+               "AWS_SECRET_ACCESS_KEY": "/wJalrXUtnFEMI/K7MDENG",  # looks like a path: masked
+               "MYSQL_PWD": "mysql-pw-1",
                "SSH_AUTH_SOCK": str(tmp_path / "agent.sock"), "PWD": str(tmp_path),
                "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "creds.json"),
                "SHORT_KEY": "12345", "PLAIN": "visible-value"}
     secrets = Secrets.of({"SERVICE_TOKEN": "svc-token-1", "NCCL_DEBUG": "INFO"}, ["team"],
                          environ=environ)
-    assert set(secrets.values) == {"pa55-w0rd", "hf_auth_value", "team-name-x", "svc-token-1"}
+    assert set(secrets.values) == {"pa55-w0rd", "hf_auth_value", "team-name-x", "svc-token-1",
+                                   "/wJalrXUtnFEMI/K7MDENG", "mysql-pw-1"}
     text = f"cd {tmp_path} && login pa55-w0rd svc-token-1 as team-name-x, visible-value"
     assert secrets.text(text) == f"cd {tmp_path} && login *** *** as ***, visible-value"
 
@@ -41,13 +46,17 @@ def test_documents_masked_by_value_and_env_entries_by_name():
            "logger": {"run_name": "run-hf-token-123"}, "data": {"tokenizer_path": "/t",
                                                                "eod_token": "</s>"},
            "overrides": ["+cluster.env.MY_SECRET=abc", "train.steps=5", "x=y=z",
-                         "logger.run_name=hf-token-123"]}
+                         "logger.run_name=hf-token-123"],
+           "job": {"override_dirname": "+cluster.env.MY_SECRET=abc,train.steps=5",
+                   "env_set": {"OTHER_TOKEN": "xy"}}}
     out = secrets.data(doc)
     assert out["cluster"]["env"] == {"MY_SECRET": MASK, "NCCL_IB_HCA": "mlx5", "EMPTY_KEY": ""}
     assert out["logger"]["run_name"] == "run-***"
     assert out["data"] == {"tokenizer_path": "/t", "eod_token": "</s>"}  # not env: by value
     assert out["overrides"] == ["+cluster.env.MY_SECRET=***", "train.steps=5", "x=y=z",
                                 "logger.run_name=***"]
+    assert out["job"] == {"override_dirname": "+cluster.env.MY_SECRET=***,train.steps=5",
+                          "env_set": {"OTHER_TOKEN": MASK}}
     assert doc["cluster"]["env"]["MY_SECRET"] == "abc"  # the input is not modified
 
 

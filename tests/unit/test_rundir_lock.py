@@ -12,7 +12,14 @@ import sys
 import pytest
 
 from hpctrain.launch import rundir_lock
-from hpctrain.launch.rundir_lock import LOCK_NAME, RunDirBusy, acquire, held, release
+from hpctrain.launch.rundir_lock import (
+    LOCK_NAME,
+    RunDirBusy,
+    acquire,
+    held,
+    release,
+    wait_for_owner,
+)
 
 
 def _dead_pid() -> int:
@@ -91,3 +98,16 @@ def test_release_leaves_a_later_owner_alone(tmp_path):
                  started="now")
     release(path)
     assert path.exists()
+
+
+def test_other_slurm_tasks_wait_for_task_0_of_their_job(tmp_path):
+    """Tasks 1..N touch the run directory only once task 0 of their job holds its lock; under
+    another run's lock they give up after the timeout (task 0, refused, ends the step first)."""
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(json.dumps({"pid": 1, "host": "n2", "slurm_job_id": "77",
+                                "started": "2026-12-02T01:00:00"}))
+    with pytest.raises(RunDirBusy, match=r"task 0 of Slurm job 78 did not take its lock within "
+                                         r"0.3 s .*held by pid 1 on host n2, Slurm job 77"):
+        wait_for_owner(tmp_path, job_id="78", timeout_s=0.3, poll_s=0.05)
+    wait_for_owner(tmp_path, job_id="77", timeout_s=0.3)  # its own job's lock: at once
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # nothing written
