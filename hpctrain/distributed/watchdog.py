@@ -3,8 +3,9 @@
 The trainer calls `heartbeat.step(n)` at every step boundary (an attribute write and a deque
 append: no I/O, no collective). The thread writes this rank's heartbeat file
 `<run_dir>/.hpctrain/heartbeat/rank_N.json` (rank, host, pid, step, phase, beat time) every
-`interval_s`, and within BEAT_GAP_S of a new step (so the step a stopped or dead rank reached is
-known to its peers), and applies `StallRule` to the time since the last boundary:
+`interval_s`, and within `beat_gap_s` of a new step (1 s; longer in jobs of over 100 ranks, so
+they write at most JOB_BEATS_PER_S beats together), so the step a stopped or dead rank reached
+is known to its peers; and it applies `StallRule` to the time since the last boundary:
 
 - slow: longer than max(k × median of the last 50 step times, floor) — k = 10, floor =
   min(30 s, timeout_s / 2). The rank dumps its Python stacks into `<run_dir>/hang/` and warns
@@ -95,6 +96,7 @@ class StallRule:
 
 
 BEAT_GAP_S = 1.0  # a new step's heartbeat is written within this (at most one write a second)
+JOB_BEATS_PER_S = 100  # ... unless the job's ranks together would write more often than this
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -114,6 +116,9 @@ class Watchdog:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.rule = rule or StallRule(timeout_s)
         self.interval_s = beat_interval(timeout_s)
+        # a new step's beat: within 1 s up to 100 ranks; larger jobs space them out so the
+        # shared file system sees at most JOB_BEATS_PER_S writes (1,000 ranks: every 10 s)
+        self.beat_gap_s = min(self.interval_s, max(BEAT_GAP_S, world_size / JOB_BEATS_PER_S))
         self.host, self.pid = hang_report.node_name(), os.getpid()
         self.current: int | None = None  # the step running now (completed steps so far)
         self.phase, self.armed = "setup", False
@@ -165,11 +170,11 @@ class Watchdog:
         self.stop()
 
     def _run(self) -> None:
-        """Wake every BEAT_GAP_S (or the interval, if shorter): write the heartbeat when the
-        step changed (so a rank that stops or dies leaves the step it really reached, at most
-        BEAT_GAP_S old) or the interval is up; apply the stall rule."""
+        """Wake every `beat_gap_s`: write the heartbeat when the step changed (so a rank that
+        stops or dies leaves the step it really reached, at most that old) or the interval is
+        up; apply the stall rule."""
         written, last = self.current, time.monotonic()
-        while not self._stop.wait(min(self.interval_s, BEAT_GAP_S)):
+        while not self._stop.wait(self.beat_gap_s):
             now = time.monotonic()
             if self.current != written or now - last >= self.interval_s:
                 written, last = self.current, now

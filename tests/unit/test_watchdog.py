@@ -148,7 +148,10 @@ def test_a_new_step_is_on_disk_within_the_beat_gap(tmp_path):
     from hpctrain.distributed.watchdog import BEAT_GAP_S
 
     wd = Watchdog(tmp_path, rank=0, world_size=1, timeout_s=300)
-    assert wd.interval_s == 10.0
+    assert wd.interval_s == 10.0 and wd.beat_gap_s == BEAT_GAP_S
+    # a large job's ranks together write at most 100 beats a second
+    assert Watchdog(tmp_path, rank=0, world_size=1000, timeout_s=300).beat_gap_s == 10.0
+    assert Watchdog(tmp_path, rank=0, world_size=400, timeout_s=300).beat_gap_s == 4.0
     with wd:
         for step in (1, 2):
             wd.step(step)
