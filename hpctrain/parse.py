@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from hpctrain.config import Config, collect
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.plan.auto import FIXABLE, choose_layout, fit_problems, fixed_value
-from hpctrain.validate import key_problems, problems_of, validate
-from hpctrain.validate_keys import key_value
+from hpctrain.validate import problems_of, validate
+from hpctrain.validate_keys import key_problems, key_value
 
 
 def parse(cfg, *, run_dir: str | None = None, overrides: list[str] | None = None) -> Config:

@@ -9,7 +9,6 @@ so none divides by zero, suggests a fix built from a bad value, or repeats a pro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -20,7 +19,6 @@ from hpctrain.config import Config
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
-from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.export_config import export_settings
@@ -35,12 +33,7 @@ from hpctrain.validate_inputs import (
     check_tokenizer,
     check_vocab,
 )
-from hpctrain.validate_keys import (
-    PLAN_RANGES,
-    choice_problems,
-    config_range_problems,
-    range_problems,
-)
+from hpctrain.validate_keys import choice_problems, config_range_problems, plan_setting_problems
 from hpctrain.validate_layout import check_hsdp, check_world
 from hpctrain.validate_moe import check_moe
 from hpctrain.validate_pipeline import (
@@ -260,30 +253,6 @@ def check_plan(c: Config) -> list[str]:
     except ValueError:  # unknown or mistyped plan.* keys: the accelerator is checked alone
         return errs + _errors_of(c, cluster_spec)
     return errs + _errors_of(c, plan_cluster)
-
-
-def plan_setting_problems(c: Config) -> list[str]:
-    """The plan.* settings' problems (keys, ranges, lists): task=plan, and what parallel=auto
-    and the pre-launch fit check read."""
-    try:
-        settings = plan_settings(c)
-    except ValueError as err:
-        return [str(err)]
-    given = {**dataclasses.asdict(settings), **(c.extra.get("plan") or {})}  # as the user wrote
-    values = {f"plan.{key}": value for key, value in given.items()}
-    errs = [p.text for p in range_problems(values, PLAN_RANGES)]
-    for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("schedules", tuple(SCHEDULES))):
-        bad = [v for v in getattr(settings, key) if v not in allowed]
-        if bad:
-            errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
-    return errs
-
-
-def key_problems(c: Config) -> list[Problem]:
-    """The key-level problems of `c` (choices, ranges, plan.*): what parallel=auto must not
-    search with (a bad rank count or headroom would make every layout look wrong)."""
-    return [*choice_problems(c), *config_range_problems(c),
-            *(Problem("plan", text) for text in plan_setting_problems(c))]
 
 
 def check_cluster_spec(c: Config) -> list[str]:

@@ -12,6 +12,7 @@ read from `Config.extra` check their own ranges: bench (hpctrain.bench.config), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from dataclasses import dataclass, fields
@@ -21,6 +22,7 @@ from hpctrain.config import _GROUPS, Config, Task
 from hpctrain.config_build import Problem, choice_text, literal_choices
 from hpctrain.ops.attention import ATTENTION_BACKENDS
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
+from hpctrain.plan.task import plan_settings
 
 TASKS: tuple[str, ...] = typing.get_args(Task)
 
@@ -234,3 +236,27 @@ def key_value(c: Config, key: str) -> Any:
     for name in key.split("."):
         value = getattr(value, name)
     return value
+
+
+def plan_setting_problems(c: Config) -> list[str]:
+    """The plan.* settings' problems (keys, ranges, lists): task=plan, and what parallel=auto
+    and the pre-launch fit check read."""
+    try:
+        settings = plan_settings(c)
+    except ValueError as err:
+        return [str(err)]
+    given = {**dataclasses.asdict(settings), **(c.extra.get("plan") or {})}  # as the user wrote
+    values = {f"plan.{key}": value for key, value in given.items()}
+    errs = [p.text for p in range_problems(values, PLAN_RANGES)]
+    for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("schedules", tuple(SCHEDULES))):
+        bad = [v for v in getattr(settings, key) if v not in allowed]
+        if bad:
+            errs.append(f"plan.{key} has {bad}: choose from {', '.join(map(str, allowed))}")
+    return errs
+
+
+def key_problems(c: Config) -> list[Problem]:
+    """The key-level problems of `c` (choices, ranges, plan.*): what parallel=auto must not
+    search with (a bad rank count or headroom would make every layout look wrong)."""
+    return [*choice_problems(c), *config_range_problems(c),
+            *(Problem("plan", text) for text in plan_setting_problems(c))]
