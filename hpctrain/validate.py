@@ -94,16 +94,22 @@ def check_lr_schedule(c: Config) -> list[str]:
 
 def check_head_dim(c: Config) -> list[str]:
     m = c.model
-    if m.dim % m.n_heads or m.head_dim % 2 == 0:
+    derived = m.head_dim == m.dim // m.n_heads
+    if m.head_dim % 2 == 0 or (derived and m.dim % m.n_heads):
         return []
-    return [f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.head_dim} is an odd head "
-            "dimension; RoPE rotates pairs: choose dim and n_heads with an even quotient"]
+    if derived:
+        return [f"model.dim={m.dim} / model.n_heads={m.n_heads} = {m.head_dim} is an odd head "
+                "dimension; RoPE rotates pairs: choose dim and n_heads with an even quotient "
+                "(or set an even model.head_dim)"]
+    return [f"model.head_dim={m.head_dim} is odd; RoPE rotates pairs: choose an even one"]
 
 
 def check_model_shape(c: Config) -> list[str]:
     m, tp, errs = c.model, c.parallel.tp, []
-    if m.dim % m.n_heads:
-        errs.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.dim % m.n_heads and m.head_dim == m.dim // m.n_heads:
+        errs.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: "
+                    "choose a divisor, or set model.head_dim (then wq maps dim to "
+                    "n_heads × head_dim)")
     if m.n_heads % m.n_kv_heads:
         errs.append(f"model.n_heads={m.n_heads} is not divisible by "
                     f"model.n_kv_heads={m.n_kv_heads}: choose kv heads that divide the heads")
@@ -305,7 +311,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
     check_lr_schedule: ("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction",
                         "train.steps"),
-    check_head_dim: ("model.dim", "model.n_heads"),
+    check_head_dim: ("model.dim", "model.n_heads", "model.head_dim"),
     check_model_shape: _SHAPE,
     check_batch: _BATCH,
     check_eval: ("train.eval_samples", "train.eval_every", *_BATCH),

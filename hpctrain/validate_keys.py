@@ -177,6 +177,8 @@ RANGES: dict[str, Range] = {
     "model.n_heads": positive(),
     "model.n_kv_heads": positive(),
     "model.ffn_dim": positive(),
+    "model.head_dim": at_least(0, "set it to 0 (model.dim / model.n_heads) or an even width "
+                                  "per head, e.g. 128"),
     "model.max_seq_len": Range(lo=2, fix="e.g. model.max_seq_len=256"),
     "model.rope_theta": positive("e.g. model.rope_theta=10000"),
     "model.norm_eps": positive("e.g. model.norm_eps=1e-5"),

@@ -47,3 +47,50 @@ def save_tiny_llama(directory: Path, **kw):
     model = tiny_llama(**kw)
     model.save_pretrained(directory)
     return model
+
+
+def _random_norms(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all ones: a swapped norm would show
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):  # Qwen2 starts its biases at zero
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_qwen2(*, seed: int = 0, dtype=torch.float32):
+    """A random Qwen2ForCausalLM (q/k/v biases) of `tiny_llama`'s shape, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=True)
+    return _random_norms(Qwen2ForCausalLM(cfg).to(dtype).eval())
+
+
+def tiny_qwen3(*, seed: int = 0, dtype=torch.float32):
+    """A random Qwen3ForCausalLM (q/k RMSNorm) whose head_dim (32) is not hidden / heads (16)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=128)
+    return _random_norms(Qwen3ForCausalLM(cfg).to(dtype).eval())
+
+
+def tiny_mixtral(*, seed: int = 0, dtype=torch.float32):
+    """A random MixtralForCausalLM: 4 experts of width 96, top 2, in both blocks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, sliding_window=None)
+    return _random_norms(MixtralForCausalLM(cfg).to(dtype).eval())
+
+
+FAMILIES = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mixtral": tiny_mixtral}

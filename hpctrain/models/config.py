@@ -67,6 +67,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tied_embeddings: bool = False
+    # 0: dim / n_heads. Set (as Hugging Face's head_dim) when heads × head_dim ≠ dim (Qwen3,
+    # Gemma): wq maps dim → n_heads·head_dim and wo back.
+    head_dim: int = 0
+    attention_bias: bool = False  # biases on wq, wk, wv (Qwen2); wo has none
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     attention: str = "sdpa"  # a name of the ops.attention registry (validate_keys.REGISTRY_CHOICES)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -74,9 +79,9 @@ class ModelConfig:
     # keys may only agree with it) and its safetensors the initial weights (models.hf_config).
     init_from: str | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim == 0 and self.n_heads > 0:  # derived: stored, so every reader agrees
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @property
     def expert_ffn_dim(self) -> int:
@@ -93,8 +98,9 @@ class ModelConfig:
     def layer_params(self, layer: int = 0, *, active: bool = False) -> int:
         """Parameters of block `layer` (attention, MLP or router + experts, two RMSNorm
         weights); with `active`, only the experts one token uses (top_k routed + shared)."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2  # wq, wo, wk, wv
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2  # wq, wo, wk, wv
+        attn += self._attention_vectors
         if self.is_moe_layer(layer):
             m = self.moe
             routed = m.top_k if active else m.num_experts
@@ -103,6 +109,13 @@ class ModelConfig:
         else:
             mlp = 3 * self.dim * self.ffn_dim
         return attn + mlp + 2 * self.dim
+
+    @property
+    def _attention_vectors(self) -> int:
+        """Parameters of a block's attention that are no matmul weight: q/k/v biases and the
+        q/k norm gains."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return (q_dim + 2 * kv_dim) * self.attention_bias + 2 * self.head_dim * self.qk_norm
 
     def num_params(self, *, active: bool = False) -> int:
         """Parameters of the built model (a tied output head is counted once); with `active`,
@@ -129,11 +142,15 @@ class ModelConfig:
         6·W·tokens + 12·n_layers·D·attended, W the active matmul weights (MoE: the router and
         the top_k + shared experts a token passes through)."""
         matmul_weights = sum(self.layer_params(i, active=True) - 2 * self.dim
-                             for i in range(self.n_layers))
+                             - self._attention_vectors for i in range(self.n_layers))
         matmul_weights += self.vocab_size * self.dim
-        return 6 * matmul_weights * tokens + 12 * self.n_layers * self.dim * attended
+        q_dim = self.n_heads * self.head_dim  # the width of the score and value products
+        return 6 * matmul_weights * tokens + 12 * self.n_layers * q_dim * attended
 
     def with_(self, **changes) -> ModelConfig:
+        """A copy with `changes`; a derived head_dim (dim / n_heads) is derived again."""
+        if "head_dim" not in changes and self.head_dim == self.dim // self.n_heads:
+            changes["head_dim"] = 0
         return replace(self, **changes)
 
 

@@ -28,8 +28,9 @@ from hpctrain.models.config import ModelConfig
 
 # How tensor parallelism shards a module (hpctrain.parallel.tensor.plan implements each):
 # column/row-parallel linears, a vocab-parallel embedding, a replicated norm that is also the
-# entry collective of the column layers after it.
-Style = Literal["column", "row", "vocab", "entry_norm"]
+# entry collective of the column layers after it, and a norm inside the heads (q/k norm):
+# whole on every rank, its gradient the sum over the ranks' heads.
+Style = Literal["column", "row", "vocab", "entry_norm", "head_norm"]
 
 
 @dataclass(frozen=True)

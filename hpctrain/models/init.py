@@ -27,7 +27,10 @@ def param_std(name: str, cfg: ModelConfig) -> float | None:
 
 
 def full_init(name: str, shape: torch.Size, cfg: ModelConfig, *, seed: int) -> torch.Tensor:
-    """The full-size fp32 initial value of parameter `name` (a pure function of its inputs)."""
+    """The full-size fp32 initial value of parameter `name` (a pure function of its inputs):
+    biases start at zero."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     std = param_std(name, cfg)
     if std is None:
         return torch.ones(shape)

@@ -37,21 +37,31 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention: wq/wk/wv (with biases when `attention_bias`), per-head RMSNorm
+    of q and k (`qk_norm`), RoPE, the attention core, wo. H = `head_dim`, which need not be
+    D / N."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg.attention)
 
     def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
         B, L, _ = x_BLD.shape
         # Head counts come from the projection widths, so a tensor-parallel shard that holds
         # N/tp heads runs this same code.
-        q_BNLH = self.wq(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
-        k_BKLH = self.wk(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q_BLNH = self.wq(x_BLD).view(B, L, -1, self.head_dim)
+        k_BLKH = self.wk(x_BLD).view(B, L, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BLNH, k_BLKH = self.q_norm(q_BLNH), self.k_norm(k_BLKH)
+        q_BNLH, k_BKLH = q_BLNH.transpose(1, 2), k_BLKH.transpose(1, 2)
         v_BKLH = self.wv(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
         q_BNLH, k_BKLH = apply_rope(q_BNLH, *rope), apply_rope(k_BKLH, *rope)
         o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH, docs)
@@ -136,7 +146,9 @@ FAMILY = ModelFamily(
     attention_core="attn.core",
     # Megatron's layout: heads split (wq/wk/wv column, wo row), SwiGLU w1/w3 column and w2 row;
     # the norms before them are the column layers' shared entry; both ends vocab-parallel.
+    # q/k norms act within a head, so they stay whole beside the heads each rank holds.
     tp_block={"attn_norm": "entry_norm", "mlp_norm": "entry_norm",
+              "attn.q_norm": "head_norm", "attn.k_norm": "head_norm",
               "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
               "mlp.w1": "column", "mlp.w3": "column", "attn.wo": "row", "mlp.w2": "row"},
     tp_ends={"tok_embeddings": "vocab", "output": "column"},

@@ -6,7 +6,7 @@ directory given) is verified (`ckpt_catalog.verify`: manifest, sizes, sha256), t
 pp/ep/ZeRO layout: DCP chunks carry their offsets in the full tensor). The directory written:
 
   config.json                              the checkpoint's model shape (`hf_config.hf_config`)
-  model-0000N-of-0000M.safetensors         weights renamed (`hf_weight_name`), in export.dtype,
+  model-0000N-of-0000M.safetensors         weights renamed (`hf_names`), in export.dtype,
   model.safetensors.index.json             files of at most export.max_shard_mb each
   tokenizer files                          copied when the run's data used a Hugging Face
                                            tokenizer directory (data.tokenizer_path)
@@ -28,7 +28,8 @@ import torch.distributed.checkpoint as dcp
 
 from hpctrain.config_build import build
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.hf_config import hf_config, hf_weight_name
+from hpctrain.models.hf_config import export_family, hf_config
+from hpctrain.models.hf_names import hf_tensors
 from hpctrain.train import ckpt_catalog as catalog
 from hpctrain.train import safe_dcp
 from hpctrain.train.ckpt_dcp import ChunkLoadPlanner
@@ -113,16 +114,16 @@ def run_tokenizer_dir(run_dir: Path) -> Path | None:
 
 
 def _exportable(found: Verified) -> ModelConfig:
-    """The checkpoint's model, if it exports to a Llama directory; else a ValueError."""
+    """The checkpoint's model, if a Hugging Face family holds it; else a ValueError."""
     saved = found.manifest.get("model")
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {found.path} records no model shape (written by an older "
                          "hpctrain): resume it once with this version and export that checkpoint")
     model = build(ModelConfig, "model", saved)
-    if model.moe.enabled:
-        raise ValueError(f"checkpoint {found.path} holds a mixture-of-experts model "
-                         f"(model.moe.num_experts={model.moe.num_experts}): its export is not "
-                         "built yet; only dense Llama-shaped models export")
+    _, why = export_family(model)
+    if why:
+        raise ValueError(f"checkpoint {found.path} holds a model no Hugging Face family "
+                         f"holds exactly: {'; '.join(why)}")
     return model
 
 
@@ -133,7 +134,10 @@ def export_hf(settings, *, run_dir: Path | None = None) -> dict[str, Any]:
     model = _exportable(found)
     dtype = DTYPES[settings.dtype]
     full = read_full_model(found.path)
-    tensors = {hf_weight_name(name): t.to(dtype) for name, t in sorted(full.items())}
+    if model.tied_embeddings:
+        full.pop("output.weight", None)  # transformers ties lm_head to the embedding
+    tensors = {hf: piece.to(dtype) for name, t in sorted(full.items())
+               for hf, piece in hf_tensors(name, t).items()}
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(model, dtype=settings.dtype),

@@ -9,8 +9,9 @@ and the whole model is never materialised on one rank. The compute parameters ar
 rebuilt from the masters as after a checkpoint load (`refresh_from_masters`), with the
 optimizer at step 0 and zero moments.
 
-Names: `hpctrain.models.hf_config.hf_weight_name`; a tied head (`tie_word_embeddings`) that
-the files do not hold reads the embedding.
+Names: `hpctrain.models.hf_names`; a tied head (`tie_word_embeddings`) that the files do not
+hold reads the embedding. A box of a stacked routed-expert weight [E, in, out] is read as the
+matching [out, in] box of each of its experts' tensors, transposed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.models.hf_config import hf_weight_name
+from hpctrain.models.hf_names import TIED_SOURCE, expert_stack, hf_expert_name, hf_weight_name
 from hpctrain.parallel.data.state import refresh_from_masters
 from hpctrain.parallel.state import ParallelState
 from hpctrain.train.ckpt_shards import Chunk, optimizer_flats, unit_chunks
@@ -59,34 +60,50 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     return out
 
 
-def _source(name: str, files: dict[str, Path], directory: Path) -> str:
-    hf = hf_weight_name(name)
-    if hf == "lm_head.weight" and hf not in files:
-        hf = "model.embed_tokens.weight"  # tied: the head is the embedding
-    if hf not in files:
-        raise ValueError(f"model.init_from={directory} has no tensor {hf!r} (hpctrain's "
-                         f"{name}): is it a complete Llama-family model directory?")
-    return hf
+def _sources(name: str, files: dict[str, Path], directory: Path, *,
+             experts: int) -> list[str]:
+    """The Hugging Face tensors holding hpctrain weight `name`: one, or one per expert."""
+    stack = expert_stack(name)
+    names = ([hf_expert_name(stack[0], e, stack[1]) for e in range(experts)] if stack
+             else [hf_weight_name(name)])
+    if names == ["lm_head.weight"] and names[0] not in files:
+        names = [TIED_SOURCE]  # tied: the head is the embedding
+    for hf in names:
+        if hf not in files:
+            raise ValueError(f"model.init_from={directory} has no tensor {hf!r} (hpctrain's "
+                             f"{name}): is it a complete model directory of its family?")
+    return names
+
+
+def _slice(f, hf: str, want: tuple[int, ...], box: tuple[slice, ...], directory: Path):
+    piece = f.get_slice(hf)
+    shape = tuple(piece.get_shape())
+    if shape != want:
+        raise ValueError(f"model.init_from={directory}: {hf} has shape {list(shape)}, but "
+                         f"the model built from its config.json needs {list(want)}")
+    return piece[box]
 
 
 @torch.no_grad()
-def _read_box(f, hf: str, chunk: Chunk, directory: Path) -> int:
-    """Read `chunk`'s box of tensor `hf` from open file `f` into `chunk.data`; bytes read."""
-    piece = f.get_slice(hf)
-    shape = tuple(piece.get_shape())
-    if shape != chunk.size:
-        raise ValueError(f"model.init_from={directory}: {hf} has shape {list(shape)}, but "
-                         f"the model built from its config.json needs {list(chunk.size)}")
+def _read_box(opened, names: list[str], chunk: Chunk, directory: Path) -> int:
+    """Read `chunk`'s box of the tensor held by `names` (open files by name) into
+    `chunk.data`; bytes read."""
     box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-    values = piece[box]
-    chunk.data.copy_(values.to(chunk.data.dtype))
-    return values.numel() * values.element_size()
+    if len(names) == 1 and expert_stack(chunk.path[1]) is None:
+        values = [_slice(opened(names[0]), names[0], chunk.size, box, directory)]
+        chunk.data.copy_(values[0].to(chunk.data.dtype))
+    else:  # experts box[0] of [E, in, out]: each expert's [out, in] box, transposed
+        want = (chunk.size[2], chunk.size[1])
+        values = [_slice(opened(names[e]), names[e], want, (box[2], box[1]), directory)
+                  for e in range(box[0].start, box[0].stop)]
+        chunk.data.copy_(torch.stack([v.t() for v in values]).to(chunk.data.dtype))
+    return sum(v.numel() * v.element_size() for v in values)
 
 
-def load_hf_weights(directory: str | Path, *, parallel: ParallelState) -> int:
+def load_hf_weights(directory: str | Path, *, parallel: ParallelState, experts: int = 0) -> int:
     """Collective (over each flat unit's group, as a checkpoint load): fill this rank's master
     weights from `directory`'s safetensors and refresh the compute parameters. Returns the
-    bytes this rank read (its share)."""
+    bytes this rank read (its share). `experts`: routed experts per MoE layer (model.moe)."""
     directory = Path(directory)
     files = weight_files(directory)
     safe_open = safe_open_or_explain()
@@ -94,11 +111,15 @@ def load_hf_weights(directory: str | Path, *, parallel: ParallelState) -> int:
               if c.path[0] == "model"]
     read = 0
     with contextlib.ExitStack() as stack:
-        opened = {}
+        handles = {}
+
+        def opened(hf: str):
+            if files[hf] not in handles:
+                handles[files[hf]] = stack.enter_context(safe_open(files[hf], framework="pt"))
+            return handles[files[hf]]
+
         for chunk in chunks:
-            hf = _source(chunk.path[1], files, directory)
-            if files[hf] not in opened:
-                opened[files[hf]] = stack.enter_context(safe_open(files[hf], framework="pt"))
-            read += _read_box(opened[files[hf]], hf, chunk, directory)
+            names = _sources(chunk.path[1], files, directory, experts=experts)
+            read += _read_box(opened, names, chunk, directory)
     refresh_from_masters(parallel.engine, steps=0)
     return read

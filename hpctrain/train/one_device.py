@@ -2,7 +2,7 @@
 task=eval run. Its weights come from a checkpoint (a checkpoint directory, or a run directory's
 newest verified checkpoint, of any layout: `hf_export.read_full_model`) or from a local Hugging
 Face model directory (`model.init_from`: every tensor of its safetensors, renamed by
-`hf_config.hf_weight_name`). Either holds the model once in host memory.
+`hf_names`). Either holds the model once in host memory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from hpctrain.config_build import build
 from hpctrain.models import family_of
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.hf_config import hf_weight_name, model_keys, read_hf_config, unsupported
+from hpctrain.models.hf_config import model_keys, read_hf_config, unsupported
+from hpctrain.models.hf_names import TIED_SOURCE, expert_stack, hf_expert_name, hf_weight_name
 from hpctrain.train.hf_export import find_checkpoint, read_full_model
 from hpctrain.train.hf_import import safe_open_or_explain, weight_files
 
@@ -84,13 +85,19 @@ def _from_hf(directory: str | Path, shape: ModelConfig) -> dict[str, torch.Tenso
     safe_open = safe_open_or_explain()
     out = {}
     for name in _bare(shape).state_dict():
-        hf = hf_weight_name(name)
-        if hf not in files and shape.tied_embeddings and name == "output.weight":
-            continue
-        if hf not in files:
-            raise ValueError(f"{directory} has no tensor {hf!r} (hpctrain's {name})")
-        with safe_open(files[hf], framework="pt") as f:
-            out[name] = f.get_tensor(hf)
+        stack = expert_stack(name)
+        names = ([hf_expert_name(stack[0], e, stack[1]) for e in range(shape.moe.num_experts)]
+                 if stack else [hf_weight_name(name)])
+        if names == ["lm_head.weight"] and names[0] not in files:
+            names = [TIED_SOURCE]
+        missing = [hf for hf in names if hf not in files]
+        if missing:
+            raise ValueError(f"{directory} has no tensor {missing[0]!r} (hpctrain's {name})")
+        tensors = []
+        for hf in names:
+            with safe_open(files[hf], framework="pt") as f:
+                tensors.append(f.get_tensor(hf))
+        out[name] = torch.stack([t.t() for t in tensors]) if stack else tensors[0]
     return out
 
 

@@ -49,10 +49,10 @@ def tp_step_hooks(model: nn.Module, plan: TensorParallelPlan | None) -> dict[str
 def tp_pre_reduce(model: nn.Module,
                   plan: TensorParallelPlan | None) -> Callable[[], None] | None:
     """The replicated-gradient sync over tp the data-parallel engine runs before its dp
-    reduction, or None: needed only with sp or replicated kv heads, where those gradients are
-    partial sums (it turns off the overlap of the reduction with backward). The clip norm's
-    share of tp comes from the shard spec (hpctrain.parallel.state.norm_spec)."""
-    if plan is None or not (plan.sp or plan.kv_slots):  # every local gradient is complete
+    reduction, or None: needed only with sp, replicated kv heads or q/k norms, where those
+    gradients are partial sums (it turns off the overlap of the reduction with backward). The
+    clip norm's share of tp comes from the shard spec (hpctrain.parallel.state.norm_spec)."""
+    if plan is None or not (plan.sp or plan.kv_slots or plan.head_norms):  # all complete
         return None
     params = [p for p in model.parameters() if p.requires_grad]
     return lambda: sync_tp_grads(params, plan)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hpctrain.models import PRESETS, build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.models.init import full_init
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor import (
     apply_tensor_parallel,
@@ -31,7 +32,7 @@ def _expected(name: str, full: torch.Tensor, cfg) -> torch.Tensor:
     p, r = dist.get_world_size(), dist.get_rank()
     if name.endswith(("wo.weight", "w2.weight")):
         return shard(full, 1)
-    if name.endswith(("wk.weight", "wv.weight")) and cfg.n_kv_heads % p:
+    if name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and cfg.n_kv_heads % p:
         return shard(full, 0, index=r // (p // cfg.n_kv_heads), n=cfg.n_kv_heads)
     if name.endswith("norm.weight"):
         return full
@@ -42,15 +43,20 @@ def _batch(cfg):
     return token_batch(B, L, vocab=cfg.vocab_size, seed=11)
 
 
-def _one_step(sp: bool, kv_heads: int, seed_init: bool):
-    cfg = PRESETS["debug"].with_(n_kv_heads=kv_heads)
+def _one_step(sp: bool, kv_heads: int, seed_init: bool, options: dict | None = None):
+    cfg = PRESETS["debug"].with_(n_kv_heads=kv_heads, **(options or {}))
     group = tp_group()
     inputs, targets = _batch(cfg)
     ref = build_model(cfg, seed=0).double()
+    with torch.no_grad():  # biases and norm gains away from their zero/one init
+        for name, q in ref.named_parameters():
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+                q.copy_(full_init(name + ".rand", q.shape, cfg, seed=1) * 5 + q)
     logits_ref = ref(inputs)
     loss_ref = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     loss_ref.backward()
     par = build_model(cfg, seed=0).double()
+    par.load_state_dict(ref.state_dict())
     plan = apply_tensor_parallel(par, group=group, sp=sp, cfg=cfg,
                                  seed=0 if seed_init else None)
     verify_tensor_parallel(par, plan)
@@ -83,6 +89,17 @@ def test_model_matches_single_process(size, sp, world2, world4):
 @pytest.mark.parametrize("sp", [False, True])
 def test_model_kv_replicated_single_kv_head(sp, world2):
     for errs in world2.run(_one_step, sp, 1, True):
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < TOL, (worst, errs[worst])
+
+
+@pytest.mark.parametrize(("size", "sp"), [(2, False), (4, True)])
+def test_model_with_biases_and_qk_norms(size, sp, world2, world4):
+    """q/k/v biases shard with their heads; q/k norm gains stay whole and their gradients,
+    each rank's only for its heads, are summed over tp; a head width (16) ≠ dim / n_heads.
+    tp=4 replicates each of the 2 kv heads (and its biases) on 2 ranks."""
+    options = {"attention_bias": True, "qk_norm": True, "head_dim": 16}
+    for errs in {2: world2, 4: world4}[size].run(_one_step, sp, 2, False, options):
         worst = max(errs, key=errs.get)
         assert errs[worst] < TOL, (worst, errs[worst])
 

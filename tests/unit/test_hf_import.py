@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hpctrain.models import build_model
-from hpctrain.models.hf_config import hf_weight_name
+from hpctrain.models.hf_names import expert_stack, hf_expert_name, hf_weight_name
 from hpctrain.ops.rope import inv_frequencies
 from tests.conftest import make_config
-from tests.hf_models import save_tiny_llama, tiny_mistral
+from tests.hf_models import FAMILIES, save_tiny_llama, tiny_mistral
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -24,6 +24,12 @@ def _renamed(directory, model) -> dict[str, torch.Tensor]:
     files = safetensors_torch.load_file(directory / "model.safetensors")
     out = {}
     for name in model.state_dict():
+        stack = expert_stack(name)
+        if stack is not None:
+            n = model.cfg.moe.num_experts
+            out[name] = torch.stack([files[hf_expert_name(*stack[:1], e, stack[1])].t()
+                                     for e in range(n)])
+            continue
         hf = hf_weight_name(name)
         out[name] = files[hf if hf in files else "model.embed_tokens.weight"]
     return out
@@ -44,7 +50,7 @@ def _hf_in_fp64(hf, inv_freq_H2: torch.Tensor) -> None:
 
     hf.model.rotary_emb.forward = rope
     for m in hf.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
+        if type(m).__name__.endswith("RMSNorm"):
             m.forward = norm_of(m)
 
 
@@ -54,7 +60,7 @@ def _imported(tmp_path, *, tied: bool, dtype, hf=None):
     else:
         hf.save_pretrained(tmp_path)
     cfg = make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
-    assert (cfg.model.dim, cfg.model.tied_embeddings) == (64, tied)
+    assert (cfg.model.dim, cfg.model.tied_embeddings) == (64, tied or hf.config.tie_word_embeddings)
     model = build_model(cfg.model, seed=0).to(dtype)
     model.load_state_dict(_renamed(tmp_path, model))
     return hf, model, cfg
@@ -88,6 +94,32 @@ def test_logits_equal_transformers_fp32(tmp_path, family):
     assert (got - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_logits_equal_transformers_fp64(tmp_path, family):
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms and its head_dim of 32 where
+    hidden / heads is 16: the model options model.attention_bias, qk_norm and head_dim."""
+    hf, model, cfg = _imported(tmp_path, tied=False, dtype=torch.float64,
+                               hf=FAMILIES[family](dtype=torch.float64))
+    m = cfg.model
+    assert (m.attention_bias, m.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert m.head_dim == (32 if family == "qwen3" else 16)
+    _hf_in_fp64(hf, inv_frequencies(m.head_dim, theta=m.rope_theta))
+    with torch.no_grad():
+        want, got = hf(TOKENS).logits, model(TOKENS)
+    assert (got - want).abs().max().item() <= 1e-12
+
+
+def test_mixtral_logits_equal_transformers_fp32(tmp_path):
+    """Mixtral's experts stacked per projection (transposed); its router's softmax runs in
+    fp32 whatever the model's dtype, so the comparison is fp32's."""
+    hf, model, cfg = _imported(tmp_path, tied=False, dtype=torch.float32, hf=FAMILIES["mixtral"]())
+    m = cfg.model
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.every, m.expert_ffn_dim) == (4, 2, 1, 96)
+    with torch.no_grad():
+        want, got = hf(TOKENS).logits, model(TOKENS)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_a_contradicting_model_key_is_refused(tmp_path):
     save_tiny_llama(tmp_path, tied=True)
     with pytest.raises(ValueError) as err:  # model=tiny (the default) sets dim=128
@@ -97,7 +129,7 @@ def test_a_contradicting_model_key_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model.n_heads=8 contradicts"):
         make_config(["model=hf", f"model.init_from={tmp_path}", "model.n_heads=8"],
                     run_dir=tmp_path)
-    with pytest.raises(ValueError, match="model.moe.* is set, but model.init_from="):
+    with pytest.raises(ValueError, match=r"model.moe.num_experts set, .* is a dense model"):
         make_config(["model=hf", f"model.init_from={tmp_path}", "model.moe.num_experts=4"],
                     run_dir=tmp_path)
     # a shorter context is allowed: a shorter RoPE table, the same weights
@@ -111,12 +143,12 @@ def test_unsupported_fields_are_refused_with_their_values(tmp_path):
     save_tiny_llama(tmp_path, tied=False)
     path = tmp_path / "config.json"
     hf = json.loads(path.read_text())
-    hf.update(attention_bias=True, head_dim=32, sliding_window=4096)
+    hf.update(attention_bias=True, head_dim=33, sliding_window=4096)
     hf["rope_parameters"]["rope_type"] = "yarn"
     path.write_text(json.dumps(hf))
     with pytest.raises(ValueError) as err:
         make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
-    for text in ("attention_bias=True", "sliding_window=4096", "head_dim=32",
+    for text in ("attention_bias=True", "sliding_window=4096", "head_dim=33",
                  "rope_type='yarn'"):
         assert text in str(err.value)
 

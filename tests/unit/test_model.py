@@ -20,6 +20,26 @@ def test_param_count_matches_built_model(name, tied):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
 
 
+@pytest.mark.parametrize("options", [dict(attention_bias=True), dict(qk_norm=True),
+                                     dict(head_dim=12, n_heads=3, n_kv_heads=1)])
+def test_attention_options_counts_match_built_model(options):
+    """q/k/v biases (Qwen2), q/k norms (Qwen3) and a head width that is not dim / n_heads:
+    the counts, and the FLOPs of the matmuls, follow the built model."""
+    cfg = PRESETS["debug"].with_(attention="eager", **options)
+    model = build_model(cfg, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    assert counter.get_total_flops() == cfg.flops_per_token(16) * 16
+
+
+def test_a_derived_head_dim_follows_dim():
+    cfg = PRESETS["debug"]
+    assert cfg.head_dim == 8 and cfg.with_(dim=64).head_dim == 16
+    assert cfg.with_(head_dim=12).with_(dim=64).head_dim == 12  # explicit: kept
+
+
 def test_big_preset_counts_are_llama3_sizes():
     assert abs(PRESETS["llama3_8b"].num_params() / 1e9 - 8.03) < 0.01
     assert abs(PRESETS["llama3_70b"].num_params() / 1e9 - 70.55) < 0.01

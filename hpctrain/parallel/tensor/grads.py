@@ -3,7 +3,8 @@
 After backward, a sharded parameter's gradient is complete on its rank. Two kinds of replicated
 parameters hold only partial gradients and are summed here:
   - with sp, replicated parameters (norm gains, row-parallel biases) saw only this rank's
-    sequence shard: ∂L/∂g = Σ_tp ∂L/∂g_r (one all-reduce over tp);
+    sequence shard: ∂L/∂g = Σ_tp ∂L/∂g_r (one all-reduce over tp); the q/k norm gains, with
+    or without sp, saw only this rank's heads: the same sum;
   - kv heads replicated on p/K ranks saw only those ranks' query heads: each rank writes its
     gradient into slot k of a zero buffer of K slots, one all-reduce sums each slot over exactly
     the ranks that hold head k (no extra process groups needed).
@@ -35,9 +36,9 @@ def sync_tp_grads(params, plan: TensorParallelPlan) -> None:
     if plan.tp == 1:
         return
     params = [p for p in params if p.grad is not None]
-    if plan.sp:
-        _sum_flat([p.grad for p in params
-                   if plan.replicas[id(p)] == plan.tp and id(p) not in plan.kv_slots], plan)
+    _sum_flat([p.grad for p in params
+               if id(p) in plan.head_norms or (plan.sp and plan.replicas[id(p)] == plan.tp
+                                               and id(p) not in plan.kv_slots)], plan)
     kv = [p for p in params if id(p) in plan.kv_slots]
     if kv:
         n_slots = plan.kv_slots[id(kv[0])][1]

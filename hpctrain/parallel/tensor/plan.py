@@ -80,7 +80,8 @@ class TensorParallelPlan:
     """What `apply_tensor_parallel` did, for this rank: the planned modules (full name →
     module, per the table) and `kv_shard` = (slot, K) when kv heads
     are replicated (K < tp). For the gradient sync and norm, `replicas` maps id(param) → tp
-    ranks holding identical values and `kv_slots` id(kv param) → (slot, K)."""
+    ranks holding identical values, `kv_slots` id(kv param) → (slot, K), and `head_norms`
+    holds the q/k norm gains, whose gradients each rank has only for its own heads."""
 
     group: object
     sp: bool
@@ -90,6 +91,7 @@ class TensorParallelPlan:
     kv_shard: tuple[int, int] | None = None
     replicas: dict[int, int] = field(default_factory=dict)
     kv_slots: dict[int, tuple[int, int]] = field(default_factory=dict)
+    head_norms: set[int] = field(default_factory=set)  # id(param): gradient partial per rank
 
     @property
     def tp(self) -> int:
@@ -115,9 +117,11 @@ def _set(model: nn.Module, name: str, module: nn.Module, plan: TensorParallelPla
 
 
 def _shard_module(style: Style, w: torch.Tensor, *, plan: TensorParallelPlan, cfg: ModelConfig,
-                  entry: str, kv: tuple[int, int] | None) -> nn.Module:
-    """The parallel module for `style`, from the full weight `w`. `entry`: how a column layer's
-    input enters tp ("none" inside a block, where the entry norm already did it)."""
+                  entry: str, kv: tuple[int, int] | None,
+                  bias: torch.Tensor | None = None) -> nn.Module:
+    """The parallel module for `style`, from the full weight `w` (and `bias`, column layers).
+    `entry`: how a column layer's input enters tp ("none" inside a block, where the entry norm
+    already did it)."""
     g, c = plan.group, plan.counter
     exit = "reduce_scatter_seq" if plan.sp else "reduce"
     if style == "entry_norm":
@@ -127,7 +131,8 @@ def _shard_module(style: Style, w: torch.Tensor, *, plan: TensorParallelPlan, cf
         new.weight = nn.Parameter(w.clone())
         return new
     if style == "column":
-        return ColumnParallelLinear.from_full(w, group=g, shard=kv, entry=entry, counter=c)
+        return ColumnParallelLinear.from_full(w, bias, group=g, shard=kv, entry=entry,
+                                              counter=c)
     if style == "row":
         return RowParallelLinear.from_full(w, group=g, exit=exit, counter=c)
     return VocabParallelEmbedding.from_full(w, group=g, exit=exit, counter=c)
@@ -144,9 +149,24 @@ def _plan_block(model, i: str, plan: TensorParallelPlan, *, seed, cfg: ModelConf
         if moe and suffix.startswith(fam.block_mlp):
             continue
         name = f"{block}.{suffix}"
+        module = _optional_submodule(model, name)
+        if module is None:  # an optional part this model does not have (q/k norm)
+            continue
+        if style == "head_norm":  # stays whole; its gradient is summed over tp (grads.py)
+            plan.head_norms.update(id(p) for p in module.parameters())
+            continue
         kv = plan.kv_shard if suffix in fam.tp_kv else None
         w = _full(model, name + ".weight", seed=seed, cfg=cfg)
-        _set(model, name, _shard_module(style, w, plan=plan, cfg=cfg, entry="none", kv=kv), plan)
+        b = (_full(model, name + ".bias", seed=seed, cfg=cfg)
+             if getattr(module, "bias", None) is not None else None)
+        _set(model, name, _shard_module(style, w, plan=plan, cfg=cfg, entry="none", kv=kv,
+                                        bias=b), plan)
+
+
+def _optional_submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at `name`, or None where its attribute is None."""
+    parent, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(parent), attr)
 
 
 def _plan_ends(model, plan: TensorParallelPlan, *, seed, cfg: ModelConfig) -> None:
