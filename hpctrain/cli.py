@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.errors import MissingConfigException, OverrideParseException
 
-from hpctrain.config_build import Problem, format_problems, unknown_key
+from hpctrain.config_build import Problem, config_key, format_problems, unknown_key
 from hpctrain.schema import SCHEMAS
 from hpctrain.validate_keys import RANGES
 
@@ -94,9 +94,9 @@ def _key_rows(prefix: str, cls: type, key: str) -> list[str]:
     head, _, rest = key.partition(".")
     lines = []
     for f in dataclasses.fields(cls):
-        if head and f.name != head:
+        if head and config_key(f.name) != head:
             continue
-        full = f"{prefix}.{f.name}"
+        full = f"{prefix}.{config_key(f.name)}"  # export.from, not from_
         if dataclasses.is_dataclass(hints[f.name]):
             lines += _key_rows(full, hints[f.name], rest)
             continue
