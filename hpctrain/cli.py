@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 import typing
 from pathlib import Path
@@ -16,8 +17,9 @@ from typing import Any
 
 from hydra.errors import MissingConfigException, OverrideParseException
 
-from hpctrain.config_build import Problem, format_problems, unknown_key
+from hpctrain.config_build import Problem, config_key, format_problems, unknown_key
 from hpctrain.schema import SCHEMAS
+from hpctrain.validate_generate import GENERATE_RANGES
 from hpctrain.validate_keys import RANGES
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -94,15 +96,15 @@ def _key_rows(prefix: str, cls: type, key: str) -> list[str]:
     head, _, rest = key.partition(".")
     lines = []
     for f in dataclasses.fields(cls):
-        if head and f.name != head:
+        if head and config_key(f.name) != head:
             continue
-        full = f"{prefix}.{f.name}"
+        full = f"{prefix}.{config_key(f.name)}"  # export.from, not from_
         if dataclasses.is_dataclass(hints[f.name]):
             lines += _key_rows(full, hints[f.name], rest)
             continue
         if rest:
             continue
-        choices, rule = _choices(hints[f.name]), RANGES.get(full)
+        choices, rule = _choices(hints[f.name]), RANGES.get(full) or GENERATE_RANGES.get(full)
         lines.append(f"  {full} = {_default(f)}"
                      + (f"   choices: {' | '.join(map(_yaml, choices))}" if choices else "")
                      + (f"   range: {rule.describe()}" if rule else ""))
@@ -156,7 +158,24 @@ def format_result(task: str, result: dict[str, Any]) -> str | None:
         return f"{body}\noutputs: {result['report']}, {result['json']}"
     if task == "prepare":
         return f"prepared tokens: {result['data_dir']}"
+    if task == "generate":
+        return format_generations(result)
     return None
+
+
+def format_generations(result: dict[str, Any]) -> str:
+    """Each prompt and its completion (read back from generations.jsonl), then the speed."""
+    path = Path(result["generations"])
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    rule = "─" * 78
+    lines = []
+    for r in records:
+        lines += [rule, f"prompt: {r['prompt']}", f"completion ({len(r['completion_ids'])} "
+                  f"tokens, stop: {r['stop']}): {r['completion']}"]
+    speed = result.get("tokens_per_s")
+    lines += [rule, f"{result['new_tokens']} new tokens"
+              + (f" at {speed:.1f} tokens/s" if speed else "") + f"; outputs: {path}"]
+    return "\n".join(lines)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -28,12 +28,13 @@ from hpctrain.config_build import config_key
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
 from hpctrain.plan.task import PlanConfig
 from hpctrain.train.export_config import ExportConfig
+from hpctrain.train.generate_config import GenerateConfig
 
 # Every group Hydra composes → its dataclass. bench/plan/simulate reach Config.extra and are
 # built by their tasks (bench.config.bench_config, plan.task.plan_settings, sim_task).
 SCHEMAS: dict[str, type] = {**_GROUPS, "task": TaskConfig, "bench": BenchConfig,
                             "plan": PlanConfig, "simulate": SimulateConfig,
-                            "export": ExportConfig}
+                            "export": ExportConfig, "generate": GenerateConfig}
 
 
 def defaults_of(cls: type) -> dict[str, Any]:

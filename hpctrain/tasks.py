@@ -70,9 +70,16 @@ def export_task(cfg: Config) -> dict[str, Any]:
     return export_hf(export_settings(cfg.extra))
 
 
+def generate_task(cfg: Config) -> dict[str, Any]:
+    """Completions of prompts by one model on one device (hpctrain.train.generate)."""
+    from hpctrain.train.generate import run_generate
+
+    return run_generate(cfg)
+
+
 # Analytical tasks run once in this process, with no ranks.
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task,
-              "export": export_task}
+              "export": export_task, "generate": generate_task}
 
 
 def preflight(cfg: Config) -> None:

@@ -24,6 +24,7 @@ from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.export_config import export_settings
 from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
+from hpctrain.validate_generate import check_generate
 from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
@@ -330,6 +331,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_simulate: _BATCH,
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
     check_export: ("export",),
+    check_generate: ("generate", "model.init_from", "model.max_seq_len"),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
@@ -352,6 +354,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "prepare": (check_data_paths, check_format, check_tokenizer, check_cache_dir),
     # task=export reads one checkpoint, no ranks, no data: its model comes from the checkpoint.
     "export": (check_export,),
+    # task=generate samples from one model on one device: its model and prompts matter.
+    "generate": (check_generate,),
 }
 
 

@@ -49,15 +49,25 @@ class Encoder:
     impl: object = None
 
     def frame(self, text: str | bytes) -> np.ndarray:
+        head = [] if self.bos_id is None else [self.bos_id]
+        return np.concatenate([np.array(head, np.uint32), self.encode(text),
+                               np.array([self.eod_id], np.uint32)])
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """The ids of `text` without special tokens (a document's, before framing)."""
         if self.kind == "byte":
             raw = text.encode("utf-8") if isinstance(text, str) else text
-            ids = np.frombuffer(raw, dtype=np.uint8).astype(np.uint32)
-        elif self.kind == "hf":
-            ids = np.asarray(self.impl.encode(text, add_special_tokens=False).ids, np.uint32)
-        else:
-            ids = np.asarray(self.impl.encode_ordinary(text), dtype=np.uint32)
-        head = [] if self.bos_id is None else [self.bos_id]
-        return np.concatenate([np.array(head, np.uint32), ids, np.array([self.eod_id], np.uint32)])
+            return np.frombuffer(raw, dtype=np.uint8).astype(np.uint32)
+        if self.kind == "hf":
+            return np.asarray(self.impl.encode(text, add_special_tokens=False).ids, np.uint32)
+        return np.asarray(self.impl.encode_ordinary(text), dtype=np.uint32)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (ids of this tokenizer's vocabulary). byte: the bytes as UTF-8,
+        a byte sequence that is not valid UTF-8 (a cut character) shown as U+FFFD."""
+        if self.kind == "byte":
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self.impl.decode(list(ids))
 
     @property
     def wants_text(self) -> bool:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.decode import KVCache, LayerCache
 from hpctrain.models.family import ModelFamily, Part
 from hpctrain.models.moe import MoE
 from hpctrain.ops.attention import get_attention
@@ -53,7 +54,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg.attention)
 
-    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
+    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None,
+                cache: LayerCache | None = None):
         B, L, _ = x_BLD.shape
         # Head counts come from the projection widths, so a tensor-parallel shard that holds
         # N/tp heads runs this same code.
@@ -64,7 +66,10 @@ class Attention(nn.Module):
         q_BNLH, k_BKLH = q_BLNH.transpose(1, 2), k_BLKH.transpose(1, 2)
         v_BKLH = self.wv(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2)
         q_BNLH, k_BKLH = apply_rope(q_BNLH, *rope), apply_rope(k_BKLH, *rope)
-        o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH, docs)
+        if cache is not None:  # decoding: over this layer's cached keys too (models.decode)
+            o_BNLH = cache.attend(q_BNLH, k_BKLH, v_BKLH)
+        else:
+            o_BNLH = self.core(q_BNLH, k_BKLH, v_BKLH, docs)
         return self.wo(o_BNLH.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -89,10 +94,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg)
 
-    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None):
+    def forward(self, x_BLD: torch.Tensor, rope: Rope, docs: Documents | None = None,
+                cache: LayerCache | None = None):
         """Under sequence parallelism x_BLD is this rank's sequence shard, but attention runs
         after the entry all-gather on the whole row, so `rope` and `docs` cover all L tokens."""
-        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope, docs)
+        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope, docs, cache)
         return h_BLD + self.mlp(self.mlp_norm(h_BLD))
 
 
@@ -102,7 +108,8 @@ class Transformer(nn.Module):
     embedding it takes hidden states h_BLD, without the head it returns them. Blocks are keyed
     by their global layer index (`layers.5...`), so every part's parameter names are the whole
     model's. With `docs` (packed rows) attention stays inside each document and RoPE positions
-    restart at each document; without, each row is one document."""
+    restart at each document; without, each row is one document. With a `cache`
+    (models.decode.KVCache, no docs) x holds the tokens after the cached ones."""
 
     def __init__(self, cfg: ModelConfig, part: Part | None = None):
         super().__init__()
@@ -123,11 +130,16 @@ class Transformer(nn.Module):
             self._rope[device] = (cos.to(device), sin.to(device))
         return self._rope[device]
 
-    def forward(self, x: torch.Tensor, *, docs: Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, docs: Documents | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         h_BLD = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope = block_rope(self.rope(h_BLD.device), docs)
-        for block in self.layers.values():
-            h_BLD = block(h_BLD, rope, docs)
+        tables = self.rope(h_BLD.device)
+        rope = block_rope(tables, docs) if cache is None else rope_at(tables,
+                                                                      cache.positions(x, docs))
+        for i, block in self.layers.items():
+            h_BLD = block(h_BLD, rope, docs, None if cache is None else cache.layer(int(i)))
+        if cache is not None:
+            cache.advance(x.shape[1])
         if self.output is None:
             return h_BLD
         return self.output(self.norm(h_BLD))

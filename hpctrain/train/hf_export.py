@@ -42,18 +42,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "generation_config.json")
 
 
-def find_checkpoint(source: str | Path) -> Verified:
-    """A checkpoint directory (verified) or a run directory's newest verified checkpoint."""
+def find_checkpoint(source: str | Path, *, key: str = "export.from") -> Verified:
+    """A checkpoint directory (verified) or a run directory's newest verified checkpoint;
+    ValueError naming `key` (the setting that gave `source`) when there is none."""
     source = Path(source)
     try:
         if (source / "manifest.json").is_file():
             return catalog.verify(source)
         found, skipped = catalog.scan(source)
     except Unverified as err:
-        raise ValueError(f"export.from={source} does not verify: {err}") from None
+        raise ValueError(f"{key}={source} does not verify: {err}") from None
     if found is None:
         why = f" ({'; '.join(f'{p.name}: {r}' for p, r in skipped)})" if skipped else ""
-        raise ValueError(f"export.from={source} holds no verified checkpoint{why}: give a run "
+        raise ValueError(f"{key}={source} holds no verified checkpoint{why}: give a run "
                          "directory with checkpoints/ or a checkpoints/step_XXXXXXXX directory")
     return found
 

@@ -53,8 +53,8 @@ def _into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path
             state[name].copy_(t)
 
 
-def _from_checkpoint(source: str | Path) -> tuple[ModelConfig, dict, Path, int, Path]:
-    found = find_checkpoint(source)
+def _from_checkpoint(source: str | Path, key: str) -> tuple[ModelConfig, dict, Path, int, Path]:
+    found = find_checkpoint(source, key=key)
     saved = found.manifest.get("model")
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {found.path} records no model shape (written by an older "
@@ -102,14 +102,16 @@ def _from_hf(directory: str | Path, shape: ModelConfig) -> dict[str, torch.Tenso
 
 
 def load_one_device(*, from_: str | None = None, init_from: str | None = None,
-                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> OneDevice:
+                    dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    key: str = "from") -> OneDevice:
     """The model of checkpoint/run directory `from_`, else of Hugging Face directory
-    `init_from` (exactly one is given), in `dtype` on `device`, in eval mode."""
+    `init_from` (exactly one is given), in `dtype` on `device`, in eval mode. `key` is the
+    setting that gave `from_` (generate.from), named when it holds no checkpoint."""
     if (from_ is None) == (init_from is None):
         raise ValueError("give exactly one source: a run directory or checkpoint, or "
                          "model.init_from=<a Hugging Face directory>")
     if from_ is not None:
-        shape, tensors, source, step, run_dir = _from_checkpoint(from_)
+        shape, tensors, source, step, run_dir = _from_checkpoint(from_, key)
     else:
         shape, source, step, run_dir = hf_shape(init_from), Path(init_from), None, None
         tensors = _from_hf(init_from, shape)

@@ -28,7 +28,8 @@ def _options(group: str) -> list[str]:
 
 
 NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"],  # options with a required key
-         ("task", "export"): ["export.from=outputs/run1", "export.out=hf/run1"]}
+         ("task", "export"): ["export.from=outputs/run1", "export.out=hf/run1"],
+         ("task", "generate"): [f"generate.from={ROOT}", "generate.prompt=hello"]}
 
 
 @pytest.mark.parametrize("group", ["cluster", "model", "parallel", "train", "optim", "data",

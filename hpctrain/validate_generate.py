@@ -1,0 +1,57 @@
+"""task=generate's checks: its keys, ranges, model source, prompts and device, each problem
+named with its fix before anything is loaded. (That a prompt and its new tokens fit the
+model's context is checked again per prompt once it is tokenised: hpctrain.train.generate.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hpctrain.config import Config
+from hpctrain.distributed.device import cuda_available
+from hpctrain.train.generate_config import (
+    GenerateConfig,
+    generate_settings,
+    read_prompts,
+    source_problems,
+)
+from hpctrain.validate_keys import Range, at_least, positive, range_problems
+
+GENERATE_RANGES: dict[str, Range] = {
+    "generate.max_new_tokens": positive("e.g. generate.max_new_tokens=64"),
+    "generate.temperature": at_least(0, "0 for greedy, e.g. generate.temperature=0.8 to "
+                                        "sample"),
+    "generate.top_k": at_least(0, "0 keeps every token, e.g. generate.top_k=50"),
+    "generate.top_p": Range(lo=0, hi=1, lo_open=True, fix="1 keeps every token, e.g. "
+                                                          "generate.top_p=0.9"),
+}
+
+
+def check_generate(c: Config) -> list[str]:
+    """Every problem of the generate group (and model.init_from as its source)."""
+    try:
+        s = generate_settings(c.extra)
+    except ValueError as err:  # unknown or mistyped keys: the rest would read defaults
+        return [str(err)]
+    values = {f"generate.{f.name}": getattr(s, f.name) for f in dataclasses.fields(s)}
+    errs = [p.text for p in range_problems(values, GENERATE_RANGES)]
+    errs += source_problems(s, c.model.init_from)
+    try:
+        read_prompts(s)
+    except ValueError as err:
+        errs.append(str(err))
+    if s.device == "cuda" and not cuda_available():
+        errs.append("generate.device=cuda but no CUDA device is visible: use "
+                    "generate.device=auto (or cpu)")
+    return errs + _context_problems(s, c)
+
+
+def _context_problems(s: GenerateConfig, c: Config) -> list[str]:
+    """With model.init_from the context is known now: the new tokens and at least one prompt
+    token must fit in it."""
+    if c.model.init_from is None or s.from_ is not None or s.max_new_tokens < 1:
+        return []
+    if s.max_new_tokens < c.model.max_seq_len:
+        return []
+    return [f"generate.max_new_tokens={s.max_new_tokens} leaves no room for a prompt in the "
+            f"model's context of {c.model.max_seq_len} tokens (model.max_seq_len): set "
+            f"generate.max_new_tokens={c.model.max_seq_len - 1} or fewer"]
