@@ -156,6 +156,11 @@ def format_result(task: str, result: dict[str, Any]) -> str | None:
         return f"{body}\noutputs: {result['report']}, {result['json']}"
     if task == "prepare":
         return f"prepared tokens: {result['data_dir']}"
+    if task == "eval":
+        shown = {k: v for k, v in result.items() if k not in ("lm_eval", "eval_json")}
+        return "\n".join([*(f"  {k:<22} {v:.6g}" if isinstance(v, float) else f"  {k:<22} {v}"
+                             for k, v in shown.items() if v is not None),
+                           f"outputs: {result['eval_json']}"])
     return None
 
 

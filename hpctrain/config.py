@@ -216,13 +216,13 @@ class LoggerConfig:
     redact: tuple[str, ...] = ()
 
 
-Task = Literal["train", "simulate", "bench", "plan", "prepare", "export"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare", "export", "eval"]
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The `task` group: what `python -m hpctrain` does (task=plan, simulate and prepare run
-    once, with no ranks; train and bench run on every rank)."""
+    """The `task` group: what `python -m hpctrain` does (task=plan, simulate, prepare, export
+    and eval run once, with no ranks; train and bench run on every rank)."""
 
     name: Task = "train"
 
@@ -258,7 +258,7 @@ _GROUPS = {
 
 
 # Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
-TASK_GROUPS = ("bench", "simulate", "plan", "export")
+TASK_GROUPS = ("bench", "simulate", "plan", "export", "eval")
 
 
 def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:

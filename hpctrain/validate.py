@@ -20,6 +20,7 @@ from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
+from hpctrain.train.eval_config import eval_settings
 from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.export_config import export_settings
 from hpctrain.train.optim import wsd_decay_steps
@@ -268,6 +269,20 @@ def check_export(c: Config) -> list[str]:
     return _errors_of(c, lambda cfg: export_settings(cfg.extra))
 
 
+def check_eval_task(c: Config) -> list[str]:
+    """task=eval: eval.* known, typed and consistent, its device present; one process."""
+    errs = _errors_of(c, lambda cfg: eval_settings(cfg.extra, init_from=cfg.model.init_from))
+    cl, device = c.cluster, (c.extra.get("eval") or {}).get("device")
+    if cl.launcher == "slurm" and cl.world_size > 1:
+        errs.append(f"task=eval runs in one process, but cluster.nodes={cl.nodes} × cluster."
+                    f"procs_per_node={cl.procs_per_node} would start {cl.world_size} Slurm tasks"
+                    ": set cluster.procs_per_node=1 (and cluster.gpus_per_node=1)")
+    on_login_node = cl.launcher == "slurm" and "SLURM_PROCID" not in os.environ
+    if device == "cuda" and not on_login_node and not cuda_available():
+        errs.append("eval.device=cuda but no CUDA device is visible: use eval.device=auto")
+    return errs
+
+
 def reads_data(c: Config) -> bool:
     """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
@@ -324,6 +339,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_simulate: _BATCH,
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
     check_export: ("export",),
+    check_eval_task: ("eval", "cluster.", "model.init_from"),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
@@ -346,6 +362,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "prepare": (check_data_paths, check_format, check_tokenizer, check_cache_dir),
     # task=export reads one checkpoint, no ranks, no data: its model comes from the checkpoint.
     "export": (check_export,),
+    # task=eval: one process; its data and model come from the run (or eval.*, data.*).
+    "eval": (check_eval_task,),
 }
 
 
