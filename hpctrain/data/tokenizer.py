@@ -59,6 +59,12 @@ class Encoder:
         head = [] if self.bos_id is None else [self.bos_id]
         return np.concatenate([np.array(head, np.uint32), ids, np.array([self.eod_id], np.uint32)])
 
+    def decode(self, ids) -> str:
+        """The text of token ids (byte: undecodable bytes become U+FFFD, eod is dropped)."""
+        if self.kind == "byte":
+            return bytes(int(i) for i in ids if i < BYTE_EOD).decode("utf-8", errors="replace")
+        return self.impl.decode(list(ids))
+
     @property
     def wants_text(self) -> bool:
         """True when documents must be str (bytes of a text file are decoded first)."""

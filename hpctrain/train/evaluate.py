@@ -33,7 +33,8 @@ from omegaconf import OmegaConf
 from hpctrain.config import Config, DataConfig, TrainConfig
 from hpctrain.config_build import build
 from hpctrain.data.dataset import open_split
-from hpctrain.data.prepare import prepare
+from hpctrain.data.prepare import prepare, tokenizer_spec
+from hpctrain.data.tokenizer import Encoder, TokenizerSpec, load
 from hpctrain.distributed.device import resolve_device_type
 from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.wandb_logger import WandbLogger
@@ -41,7 +42,7 @@ from hpctrain.ops.documents import IGNORE_INDEX, split_micro_batch
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train.eval_config import EvalConfig, eval_settings
 from hpctrain.train.eval_set import eval_indices
-from hpctrain.train.one_device import load_one_device, run_config
+from hpctrain.train.one_device import OneDevice, load_one_device, run_config
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,15 @@ def dataset_loss(model: torch.nn.Module, inputs: EvalInputs, *, split: str, voca
             "eval_perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
+def model_tokenizer(loaded: OneDevice, inputs: EvalInputs) -> Encoder:
+    """The tokenizer the model reads: a Hugging Face directory's own tokenizer.json, else the
+    data's (the run's, or data.*'s: a trained bpe tokenizer lives in the token cache)."""
+    if loaded.run_dir is None and (loaded.source / "tokenizer.json").is_file():
+        return load(TokenizerSpec("hf", str(loaded.source)))
+    data = inputs.data
+    return load(tokenizer_spec(data, prepare(data) if data.tokenizer == "bpe" else None))
+
+
 def run_eval(cfg: Config) -> dict[str, Any]:
     """task=eval (module doc); returns what eval.json holds."""
     s = eval_settings(cfg.extra, init_from=cfg.model.init_from)
@@ -113,6 +123,13 @@ def run_eval(cfg: Config) -> dict[str, Any]:
     if inputs.samples:
         result.update(dataset_loss(loaded.model, inputs, split=s.split,
                                    vocab=loaded.shape.vocab_size, device=device))
+    if s.lm_eval_tasks:
+        from hpctrain.train.lm_eval_adapter import lm_class, run_lm_eval
+
+        lm = lm_class()(loaded.model, model_tokenizer(loaded, inputs),
+                        max_length=loaded.shape.max_seq_len, precision=inputs.train.precision,
+                        max_gen_toks=s.max_gen_toks)
+        result["lm_eval"] = run_lm_eval(lm, s)
     out = Path(cfg.run_dir) / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
