@@ -19,8 +19,8 @@ from hydra.errors import MissingConfigException, OverrideParseException
 
 from hpctrain.config_build import Problem, config_key, format_problems, unknown_key
 from hpctrain.schema import SCHEMAS
-from hpctrain.validate_generate import GENERATE_RANGES
 from hpctrain.validate_keys import RANGES
+from hpctrain.validate_once import GENERATE_RANGES
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 _FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
@@ -160,6 +160,11 @@ def format_result(task: str, result: dict[str, Any]) -> str | None:
         return f"prepared tokens: {result['data_dir']}"
     if task == "generate":
         return format_generations(result)
+    if task == "eval":
+        shown = {k: v for k, v in result.items() if k not in ("lm_eval", "eval_json")}
+        return "\n".join([*(f"  {k:<22} {v:.6g}" if isinstance(v, float) else f"  {k:<22} {v}"
+                             for k, v in shown.items() if v is not None),
+                           f"outputs: {result['eval_json']}"])
     return None
 
 

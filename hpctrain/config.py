@@ -216,13 +216,14 @@ class LoggerConfig:
     redact: tuple[str, ...] = ()
 
 
-Task = Literal["train", "simulate", "bench", "plan", "prepare", "export", "generate"]
+Task = Literal["train", "simulate", "bench", "plan", "prepare", "export", "generate",
+               "eval"]
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     """The `task` group: what `python -m hpctrain` does (task=plan, simulate, prepare, export
-    and generate run once, with no ranks; train and bench run on every rank)."""
+    generate and eval run once, with no ranks; train and bench run on every rank)."""
 
     name: Task = "train"
 
@@ -258,7 +259,7 @@ _GROUPS = {
 
 
 # Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
-TASK_GROUPS = ("bench", "simulate", "plan", "export", "generate")
+TASK_GROUPS = ("bench", "simulate", "plan", "export", "generate", "eval")
 
 
 def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:

@@ -77,9 +77,16 @@ def generate_task(cfg: Config) -> dict[str, Any]:
     return run_generate(cfg)
 
 
+def eval_task(cfg: Config) -> dict[str, Any]:
+    """A checkpoint's loss and perplexity, and lm-eval's tasks (hpctrain.train.evaluate)."""
+    from hpctrain.train.evaluate import run_eval
+
+    return run_eval(cfg)
+
+
 # Analytical tasks run once in this process, with no ranks.
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task,
-              "export": export_task, "generate": generate_task}
+              "export": export_task, "generate": generate_task, "eval": eval_task}
 
 
 def preflight(cfg: Config) -> None:

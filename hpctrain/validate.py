@@ -21,10 +21,8 @@ from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
-from hpctrain.train.export_config import export_settings
 from hpctrain.train.optim import wsd_decay_steps
 from hpctrain.validate_cp import check_cp
-from hpctrain.validate_generate import check_generate
 from hpctrain.validate_inputs import (
     check_cache_dir,
     check_data_paths,
@@ -37,6 +35,7 @@ from hpctrain.validate_inputs import (
 from hpctrain.validate_keys import choice_problems, config_range_problems, plan_setting_problems
 from hpctrain.validate_layout import check_hsdp, check_world
 from hpctrain.validate_moe import check_moe
+from hpctrain.validate_once import check_eval_task, check_export, check_generate
 from hpctrain.validate_pipeline import (
     ONE_F_ONE_B_FAMILY,
     _errors_of,
@@ -270,11 +269,6 @@ def check_cluster_spec(c: Config) -> list[str]:
     return _errors_of(c, cluster_spec)
 
 
-def check_export(c: Config) -> list[str]:
-    """task=export: export.from and export.out are given, export.* keys known and typed."""
-    return _errors_of(c, lambda cfg: export_settings(cfg.extra))
-
-
 def reads_data(c: Config) -> bool:
     """task=train, bench=train and task=prepare read the data (train: also checkpoints)."""
     if c.task == "bench":
@@ -332,6 +326,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
     check_export: ("export",),
     check_generate: ("generate", "model.init_from", "model.max_seq_len"),
+    check_eval_task: ("eval", "cluster.", "model.init_from"),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
@@ -356,6 +351,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "export": (check_export,),
     # task=generate samples from one model on one device: its model and prompts matter.
     "generate": (check_generate,),
+    # task=eval: one process; its data and model come from the run (or eval.*, data.*).
+    "eval": (check_eval_task,),
 }
 
 

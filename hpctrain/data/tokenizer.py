@@ -62,11 +62,12 @@ class Encoder:
             return np.asarray(self.impl.encode(text, add_special_tokens=False).ids, np.uint32)
         return np.asarray(self.impl.encode_ordinary(text), dtype=np.uint32)
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids` (ids of this tokenizer's vocabulary). byte: the bytes as UTF-8,
-        a byte sequence that is not valid UTF-8 (a cut character) shown as U+FFFD."""
+    def decode(self, ids) -> str:
+        """The text of token ids of this tokenizer's vocabulary. byte: the bytes as UTF-8, a
+        sequence that is not valid UTF-8 (a cut character) shown as U+FFFD; ids past the bytes
+        (end of document, padding rows) dropped."""
         if self.kind == "byte":
-            return bytes(ids).decode("utf-8", errors="replace")
+            return bytes(int(i) for i in ids if i < BYTE_EOD).decode("utf-8", errors="replace")
         return self.impl.decode(list(ids))
 
     @property

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,15 +41,17 @@ OUTPUT = "generations.jsonl"
 @dataclass(frozen=True)
 class Completion:
     ids: list[int]  # the new tokens, without the end-of-document id
-    stop: Literal["eod", "length"]
+    stop: Literal["eod", "length", "stop"]  # stop: the caller's stop condition held
 
 
 @torch.inference_mode()
 def generate_ids(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  sampling: Sampling, stop_id: int | None = None,
-                 generator: torch.Generator | None = None) -> Completion:
+                 generator: torch.Generator | None = None,
+                 stop: Callable[[list[int]], bool] | None = None) -> Completion:
     """Up to max_new_tokens tokens after `prompt_ids`: the prompt runs through the model once,
-    then each chosen token alone, attending to the cached keys and values of those before."""
+    then each chosen token alone, attending to the cached keys and values of those before.
+    Ends early at `stop_id` (not kept) or once `stop(new tokens)` holds (a stop string)."""
     device = next(model.parameters()).device
     cache = KVCache(len(prompt_ids) + max_new_tokens)
     x_1L = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
@@ -59,6 +61,8 @@ def generate_ids(model: torch.nn.Module, prompt_ids: Sequence[int], *, max_new_t
         if token_1.item() == stop_id:
             return Completion(out, "eod")
         out.append(int(token_1.item()))
+        if stop is not None and stop(out):
+            return Completion(out, "stop")
         x_1L = token_1.view(1, 1)
     return Completion(out, "length")
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from hpctrain.models.config import PRESETS
+from hpctrain.config_build import build
+from hpctrain.models.config import PRESETS, ModelConfig
 from tests.conftest import CONF, ROOT, compose, make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir
 
@@ -29,7 +28,8 @@ def _options(group: str) -> list[str]:
 
 NEEDS = {("task", "plan"): ["cluster.accelerator=H100-SXM"],  # options with a required key
          ("task", "export"): ["export.from=outputs/run1", "export.out=hf/run1"],
-         ("task", "generate"): [f"generate.from={ROOT}", "generate.prompt=hello"]}
+         ("task", "generate"): [f"generate.from={ROOT}", "generate.prompt=hello"],
+         ("task", "eval"): [f"eval.from={ROOT}"]}
 
 
 @pytest.mark.parametrize("group", ["cluster", "model", "parallel", "train", "optim", "data",
@@ -74,7 +74,7 @@ def test_model_yaml_matches_preset(name):
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(compose([f"model={name}"]).model)  # the preset + the schema
-    assert data == dataclasses.asdict(PRESETS[name])
+    assert build(ModelConfig, "model", data) == PRESETS[name]
 
 
 BAD = [

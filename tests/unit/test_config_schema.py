@@ -154,7 +154,7 @@ def test_restated_and_drifted_values_are_found(tmp_path):
 
 
 @pytest.mark.parametrize("group", sorted(set(SCHEMAS) - {"plan", "simulate", "export",
-                                                         "generate"}))
+                                                         "generate", "eval"}))
 def test_composed_group_has_every_key_and_default(group):
     """With no overrides Hydra supplies every field (what `--cfg job` prints) at the
     dataclass default; the model preset adds its shape."""
@@ -167,21 +167,22 @@ def test_composed_group_has_every_key_and_default(group):
     assert differ == {} or (group == "data" and set(differ) <= {"cache_dir"})  # environment
 
 
-@pytest.mark.parametrize("task", ["plan", "simulate", "export", "generate"])
+@pytest.mark.parametrize("task", ["plan", "simulate", "export", "generate", "eval"])
 def test_task_groups_are_typed(task):
     composed = compose([f"task={task}"])[task]
     assert OmegaConf.to_container(composed) == defaults_of(SCHEMAS[task])
     with pytest.raises(ValueError, match=f"{task}.[a-z_]+='x' should be"):
         build(SCHEMAS[task], task, {"top": "x"} if task == "plan" else
               {"max_shard_mb": "x"} if task == "export" else
-              {"top_p": "x"} if task == "generate" else {next(iter(composed)): "x"})
+              {"top_p": "x"} if task == "generate" else
+              {"samples": "x"} if task == "eval" else {next(iter(composed)): "x"})
 
 
 def test_choices_come_from_the_literal_annotations():
     table = literal_table()
     assert table["train.precision"] == ("fp32", "bf16", "fp16")
     assert table["task"] == ("train", "simulate", "bench", "plan", "prepare",
-                             "export", "generate")
+                             "export", "generate", "eval")
     hints = {f"{g}.{k}": h for g, cls in _GROUPS.items()
              for k, h in typing.get_type_hints(cls).items()}
     assert all(typing.get_origin(hints[k]) is typing.Literal for k in table if k != "task")

@@ -1,13 +1,17 @@
-"""task=generate's checks: its keys, ranges, model source, prompts and device, each problem
-named with its fix before anything is loaded. (That a prompt and its new tokens fit the
+"""The checks of the one-process tasks that load a model: task=export, task=eval and
+task=generate, each problem named with its fix before anything is loaded. generate: its keys,
+ranges, model source, prompts and device. (That a prompt and its new tokens fit the
 model's context is checked again per prompt once it is tokenised: hpctrain.train.generate.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from hpctrain.config import Config
 from hpctrain.distributed.device import cuda_available
+from hpctrain.train.eval_config import eval_settings
+from hpctrain.train.export_config import export_settings
 from hpctrain.train.generate_config import (
     GenerateConfig,
     generate_settings,
@@ -15,6 +19,7 @@ from hpctrain.train.generate_config import (
     source_problems,
 )
 from hpctrain.validate_keys import Range, at_least, positive, range_problems
+from hpctrain.validate_pipeline import _errors_of
 
 GENERATE_RANGES: dict[str, Range] = {
     "generate.max_new_tokens": positive("e.g. generate.max_new_tokens=64"),
@@ -55,3 +60,22 @@ def _context_problems(s: GenerateConfig, c: Config) -> list[str]:
     return [f"generate.max_new_tokens={s.max_new_tokens} leaves no room for a prompt in the "
             f"model's context of {c.model.max_seq_len} tokens (model.max_seq_len): set "
             f"generate.max_new_tokens={c.model.max_seq_len - 1} or fewer"]
+
+
+def check_export(c: Config) -> list[str]:
+    """task=export: export.from and export.out are given, export.* keys known and typed."""
+    return _errors_of(c, lambda cfg: export_settings(cfg.extra))
+
+
+def check_eval_task(c: Config) -> list[str]:
+    """task=eval: eval.* known, typed and consistent, its device present; one process."""
+    errs = _errors_of(c, lambda cfg: eval_settings(cfg.extra, init_from=cfg.model.init_from))
+    cl, device = c.cluster, (c.extra.get("eval") or {}).get("device")
+    if cl.launcher == "slurm" and cl.world_size > 1:
+        errs.append(f"task=eval runs in one process, but cluster.nodes={cl.nodes} × cluster."
+                    f"procs_per_node={cl.procs_per_node} would start {cl.world_size} Slurm tasks"
+                    ": set cluster.procs_per_node=1 (and cluster.gpus_per_node=1)")
+    on_login_node = cl.launcher == "slurm" and "SLURM_PROCID" not in os.environ
+    if device == "cuda" and not on_login_node and not cuda_available():
+        errs.append("eval.device=cuda but no CUDA device is visible: use eval.device=auto")
+    return errs
