@@ -11,8 +11,8 @@ With `model.init_from=<dir>` the shape comes from `<dir>/config.json` (`resolve_
 a `model.*` key still at its schema default takes the file's value; one set to anything else
 must agree with it, except `max_seq_len`, which may be shorter than the file's
 `max_position_embeddings` (a shorter RoPE table, the same weights), and the routed experts'
-training settings (`model.moe.aux_loss_coef`, `z_loss_coef`, `capacity_factor`), which the
-file does not describe.
+training settings (`model.moe.aux_loss_coef`, `z_loss_coef`, `capacity_factor`): a Mixtral's
+own (its `router_aux_loss_coef`, no z-loss, dropless) unless the run sets them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
     "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5},
 }
-MOE_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor")  # not in config.json
+MOE_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor")  # a run may set them
 
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
@@ -129,7 +129,10 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if family == "mixtral":  # experts of intermediate_size in every block, softmax top-k
         out["moe"] = {"num_experts": hf["num_local_experts"],
                       "top_k": hf.get("num_experts_per_tok", 2), "every": 1,
-                      "shared_experts": 0, "expert_ffn_dim": 0, "router": "softmax"}
+                      "shared_experts": 0, "expert_ffn_dim": 0, "router": "softmax",
+                      # how Mixtral was trained: defaults a run may change (MOE_TRAINING)
+                      "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.02)),
+                      "z_loss_coef": 0.0}
     return out
 
 
@@ -147,6 +150,8 @@ def _moe_problems(given: Any, value: dict[str, Any] | None, defaults: dict[str, 
         now = given.get(key, defaults.get(key))
         if now in (defaults.get(key), file_value):
             out[key] = file_value
+        elif key in MOE_TRAINING:  # the run's own choice
+            out[key] = now
         else:
             problems.append(f"model.moe.{key}={now!r} contradicts model.init_from={directory}, "
                             f"whose config.json gives {file_value!r}: drop model.moe.{key}")
@@ -242,7 +247,10 @@ def hf_config(m: ModelConfig, *, dtype: str) -> dict[str, Any]:
            "vocab_size": m.vocab_size, "hidden_size": m.dim,
            "intermediate_size": m.expert_ffn_dim if m.moe.enabled else m.ffn_dim,
            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
-           "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
+           "num_key_value_heads": m.n_kv_heads,
+           # Mixtral writes null for the derived width (hidden / heads), the others a number
+           "head_dim": None if family == "mixtral" and m.head_dim * m.n_heads == m.dim
+           else m.head_dim,
            "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
            "hidden_act": "silu", "attention_dropout": 0.0,
            "tie_word_embeddings": m.tied_embeddings,

@@ -164,3 +164,31 @@ def test_missing_safetensors_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(ValueError, match=r"pip install 'hpctrain\[hf\]'"):
         safe_open_or_explain()
+
+
+def test_mixtral_training_settings_are_its_own_unless_the_run_sets_them(tmp_path):
+    FAMILIES["mixtral"]().save_pretrained(tmp_path)
+    m = make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path).model
+    assert (m.moe.aux_loss_coef, m.moe.z_loss_coef, m.moe.capacity_factor) == (0.001, 0.0, 0.0)
+    m = make_config(["model=hf", f"model.init_from={tmp_path}", "model.moe.aux_loss_coef=0.02",
+                     "model.moe.capacity_factor=1.25"], run_dir=tmp_path).model
+    assert (m.moe.aux_loss_coef, m.moe.capacity_factor) == (0.02, 1.25)
+    with pytest.raises(ValueError, match=r"model.moe.top_k=1 contradicts model.init_from="):
+        make_config(["model=hf", f"model.init_from={tmp_path}", "model.moe.top_k=1"],
+                    run_dir=tmp_path)
+
+
+def test_shapes_without_an_exact_hugging_face_family_are_named():
+    from hpctrain.models import PRESETS
+    from hpctrain.models.hf_config import export_family, hf_config
+
+    assert export_family(PRESETS["mixtral_8x7b"]) == ("mixtral", [])
+    family, why = export_family(PRESETS["debug_moe"])  # experts in every 2nd block, width 48
+    assert family == "mixtral" and "model.moe.every=2 (Mixtral: 1)" in why
+    assert any("expert_ffn_dim=48" in w for w in why)
+    assert export_family(PRESETS["debug"].with_(qk_norm=True, head_dim=16))[0] == "qwen3"
+    assert export_family(PRESETS["debug"].with_(attention_bias=True))[0] == "qwen2"
+    _, why = export_family(PRESETS["debug"].with_(attention_bias=True, head_dim=16))
+    assert "Qwen2 derives head_dim" in why[0]
+    with pytest.raises(ValueError, match="no exact Hugging Face form: model.moe.every=2"):
+        hf_config(PRESETS["debug_moe"], dtype="fp32")
