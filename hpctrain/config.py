@@ -16,7 +16,7 @@ from typing import Any, Literal
 from hpctrain.config_build import Problem, build_checked, format_problems, no_default
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.hf_config import resolve_init_from
+from hpctrain.models.hf_config import resolve_init_from, with_model_tokenizer
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,9 @@ class TrainConfig:
     checkpoint_async: bool = True
     keep: int = 2  # newest verified checkpoints kept (0: all)
     keep_every: int = 0  # every checkpoint at a multiple of this step is kept for good (0: none)
+    # each kept checkpoint at a multiple of this step also as a Hugging Face directory,
+    # <run_dir>/hf/step_XXXXXXXX, written while training goes on (0: none; hpctrain.train.exports)
+    export_every: int = 0
     resume: str = "auto"  # auto (newest verified checkpoint of the run dir) | never | <dir>
     profile: bool = False  # torch.profiler Chrome trace of a few steps
     profile_steps: int = 3
@@ -270,6 +273,8 @@ def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[P
     task = raw.pop("task", {"name": "train"})
     task_name = task.get("name", "train") if isinstance(task, dict) else str(task)
     model, hf_problems = _model_group(raw.pop("model", {}) or {})
+    if isinstance(model, dict):  # model.init_from's tokenizer.json is the data's by default
+        raw["data"] = with_model_tokenizer(raw.get("data"), model.get("init_from"))
     built = {name: build_checked(cls, name, model if name == "model" else raw.pop(name, {}) or {})
              for name, cls in _GROUPS.items()}
     problems = [p for _, found in built.values() for p in found] + _unknown_groups(raw)

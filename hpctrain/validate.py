@@ -28,6 +28,7 @@ from hpctrain.validate_inputs import (
     check_data_paths,
     check_data_size,
     check_format,
+    check_model_tokenizer,
     check_resume,
     check_tokenizer,
     check_vocab,
@@ -35,7 +36,12 @@ from hpctrain.validate_inputs import (
 from hpctrain.validate_keys import choice_problems, config_range_problems, plan_setting_problems
 from hpctrain.validate_layout import check_hsdp, check_world
 from hpctrain.validate_moe import check_moe
-from hpctrain.validate_once import check_eval_task, check_export, check_generate
+from hpctrain.validate_once import (
+    check_eval_task,
+    check_export,
+    check_export_every,
+    check_generate,
+)
 from hpctrain.validate_pipeline import (
     ONE_F_ONE_B_FAMILY,
     _errors_of,
@@ -312,6 +318,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_eval: ("train.eval_samples", "train.eval_every", *_BATCH),
     check_packing: ("train.batching", "data.packing"),
     check_vocab: ("model.vocab_size", "data."),
+    check_model_tokenizer: ("data.tokenizer", "data.", "model.init_from"),
     check_data_size: ("data.", "train.", "parallel.dp"),
     check_device: ("cluster.", "train."),
     check_attention: ("model.attention", "cluster.", "train.precision"),
@@ -325,16 +332,19 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_simulate: _BATCH,
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
     check_export: ("export",),
+    check_export_every: ("train.export_every", "train.keep_every", "train.checkpoint_every",
+                         "model."),
     check_generate: ("generate", "model.init_from", "model.max_seq_len"),
     check_eval_task: ("eval", "cluster.", "model.init_from"),
 }
 # What reads the token cache and checkpoints runs only where the task does (reads_data).
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
-               check_vocab, check_data_size)
+               check_vocab, check_model_tokenizer, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_hsdp, check_signal_delay,
                              check_optim, check_lr_schedule, check_head_dim, check_model_shape,
                              check_batch, check_eval, check_packing,
-                             check_vocab, check_data_size, check_device, check_attention,
+                             check_vocab, check_model_tokenizer, check_data_size,
+                             check_device, check_attention, check_export_every,
                              check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
                              check_cluster_spec, check_bench)
 TASK_CHECKS: dict[str, tuple[Check, ...]] = {

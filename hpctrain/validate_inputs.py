@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -23,6 +24,7 @@ from hpctrain.data import prepare as prep
 from hpctrain.data.records import SUFFIXES, list_inputs
 from hpctrain.data.tokenizer import EXTRA
 from hpctrain.data.verify import check_token_dir
+from hpctrain.models.hf_config import model_tokenizer
 
 RESUME_MODES = ("auto", "never")
 TOKEN_FILES = ("meta.json", "train.bin", "val.bin")
@@ -244,6 +246,39 @@ def _rebuild(c: Config, data_dir: Path) -> str:
                 "corpus's data.* keys) and point data.paths at the new directory")
     return (f"delete {data_dir} and run again: it is rebuilt from data.paths (python -m "
             "hpctrain task=prepare with the same data.* keys rebuilds it alone)")
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_model_tokenizer(c: Config) -> list[str]:
+    """With model.init_from holding a tokenizer.json, the data must be tokenised by it: the
+    pretrained embedding rows are that tokenizer's ids. Compared by file hash (prepared data
+    records its tokenizer's in meta.json)."""
+    d, own = c.data, model_tokenizer(c.model.init_from)
+    if own is None:
+        return []
+    fix = (f"the model's own tokenizer is the default: drop data.tokenizer and "
+           f"data.tokenizer_path (or set data.tokenizer_path={c.model.init_from})")
+    if d.source == "tokens":
+        meta_path = Path(d.paths[0]).expanduser() / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        if meta.get("tokenizer_sha256") == _file_sha256(own):
+            return []
+        return [f"data.paths={d.paths[0]} was prepared with data.tokenizer="
+                f"{meta.get('tokenizer')} (sha256 {str(meta.get('tokenizer_sha256'))[:12]}), "
+                f"not model.init_from={c.model.init_from}'s tokenizer.json (sha256 "
+                f"{_file_sha256(own)[:12]}): prepare the corpus with it (task=prepare "
+                f"data.tokenizer=hf data.tokenizer_path={c.model.init_from})"]
+    used = Path(d.tokenizer_path or "").expanduser()
+    used = used / "tokenizer.json" if used.is_dir() else used
+    if d.tokenizer == "hf" and used.is_file() and _file_sha256(used) == _file_sha256(own):
+        return []
+    given = f"data.tokenizer={d.tokenizer}" + (f" data.tokenizer_path={d.tokenizer_path}"
+                                               if d.tokenizer_path else "")
+    return [f"{given} is not the tokenizer of model.init_from={c.model.init_from} (its "
+            f"tokenizer.json), whose ids the pretrained embedding holds: {fix}"]
 
 
 def check_vocab(c: Config) -> list[str]:

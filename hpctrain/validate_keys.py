@@ -153,6 +153,8 @@ RANGES: dict[str, Range] = {
     "train.keep": at_least(0, "the newest verified checkpoints to keep (0: all), e.g. 2"),
     "train.keep_every": at_least(0, "set it to 0 (none) or a step interval whose "
                                     "checkpoints are kept for good, e.g. 1000"),
+    "train.export_every": at_least(0, "set it to 0 (none) or a multiple of train.keep_every, "
+                                      "e.g. 1000"),
     "train.profile_steps": positive(f"{_COUNT} (steps traced with train.profile=true)"),
     "train.stop_after": positive(f"{_COUNT}, or null to run all train.steps"),
     "optim.lr": positive("e.g. optim.lr=3e-3"),

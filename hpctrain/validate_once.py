@@ -6,10 +6,12 @@ model's context is checked again per prompt once it is tokenised: hpctrain.train
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 from hpctrain.config import Config
 from hpctrain.distributed.device import cuda_available
+from hpctrain.models.hf_config import export_family
 from hpctrain.train.eval_config import eval_settings
 from hpctrain.train.export_config import export_settings
 from hpctrain.train.generate_config import (
@@ -60,6 +62,30 @@ def _context_problems(s: GenerateConfig, c: Config) -> list[str]:
     return [f"generate.max_new_tokens={s.max_new_tokens} leaves no room for a prompt in the "
             f"model's context of {c.model.max_seq_len} tokens (model.max_seq_len): set "
             f"generate.max_new_tokens={c.model.max_seq_len - 1} or fewer"]
+
+
+def check_export_every(c: Config) -> list[str]:
+    """train.export_every: kept checkpoints exist at its multiples, the model has a Hugging
+    Face form, and safetensors is installed (hpctrain.train.exports)."""
+    t, errs = c.train, []
+    if not t.export_every:
+        return []
+    if not t.keep_every or t.export_every % t.keep_every:
+        errs.append(f"train.export_every={t.export_every} is not a multiple of train.keep_every"
+                    f"={t.keep_every}: exports read checkpoints kept for good (retention could "
+                    f"delete another during its export): set train.keep_every={t.export_every}")
+    if not t.checkpoint_every or t.export_every % t.checkpoint_every:
+        errs.append(f"train.export_every={t.export_every} is not a multiple of "
+                    f"train.checkpoint_every={t.checkpoint_every}, so no checkpoint is saved at "
+                    f"its steps: set train.checkpoint_every to a divisor of {t.export_every}")
+    family, why = export_family(c.model)
+    if why:
+        errs.append(f"train.export_every={t.export_every}: model {c.model.name} has no exact "
+                    f"Hugging Face form ({'; '.join(why)}): set train.export_every=0")
+    if importlib.util.find_spec("safetensors") is None:
+        errs.append(f"train.export_every={t.export_every} writes safetensors, which is not "
+                    "installed: pip install 'hpctrain[hf]'")
+    return errs
 
 
 def check_export(c: Config) -> list[str]:

@@ -227,6 +227,22 @@ _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
+def model_tokenizer(init_from: str | None) -> Path | None:
+    """`<init_from>/tokenizer.json` when the model directory has one (its tokenizer)."""
+    path = Path(init_from).expanduser() / "tokenizer.json" if init_from else None
+    return path if path is not None and path.is_file() else None
+
+
+def with_model_tokenizer(data: Any, init_from: str | None) -> Any:
+    """The `data` group whose tokenizer defaults to the model directory's: with
+    `model.init_from` holding a tokenizer.json and data.tokenizer still `byte` without a path
+    (the defaults), data.tokenizer=hf, data.tokenizer_path=<init_from>."""
+    if (not isinstance(data, dict) or model_tokenizer(init_from) is None
+            or data.get("tokenizer", "byte") != "byte" or data.get("tokenizer_path")):
+        return data
+    return {**data, "tokenizer": "hf", "tokenizer_path": str(init_from)}
+
+
 def hf_config(m: ModelConfig, *, dtype: str) -> dict[str, Any]:
     """The config.json of model `m` in its `export_family` (the inverse of `model_keys`):
     RoPE written both as transformers ≥ 5 reads it (`rope_parameters`) and as 4.x does

@@ -30,6 +30,7 @@ from hpctrain.config_build import build
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.hf_config import export_family, hf_config
 from hpctrain.models.hf_names import hf_tensors
+from hpctrain.models.registry import family_of
 from hpctrain.train import ckpt_catalog as catalog
 from hpctrain.train import safe_dcp
 from hpctrain.train.ckpt_dcp import ChunkLoadPlanner
@@ -136,7 +137,7 @@ def export_hf(settings, *, run_dir: Path | None = None) -> dict[str, Any]:
     dtype = DTYPES[settings.dtype]
     full = read_full_model(found.path)
     if model.tied_embeddings:
-        full.pop("output.weight", None)  # transformers ties lm_head to the embedding
+        full.pop(f"{family_of(model).head}.weight", None)  # transformers ties lm_head to it
     tensors = {hf: piece.to(dtype) for name, t in sorted(full.items())
                for hf, piece in hf_tensors(name, t).items()}
     out = Path(settings.out)

@@ -60,7 +60,7 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     return out
 
 
-def _sources(name: str, files: dict[str, Path], directory: Path, *,
+def hf_sources(name: str, files: dict[str, Path], directory: Path, *,
              experts: int) -> list[str]:
     """The Hugging Face tensors holding hpctrain weight `name`: one, or one per expert."""
     stack = expert_stack(name)
@@ -119,7 +119,7 @@ def load_hf_weights(directory: str | Path, *, parallel: ParallelState, experts: 
             return handles[files[hf]]
 
         for chunk in chunks:
-            names = _sources(chunk.path[1], files, directory, experts=experts)
+            names = hf_sources(chunk.path[1], files, directory, experts=experts)
             read += _read_box(opened, names, chunk, directory)
     refresh_from_masters(parallel.engine, steps=0)
     return read

@@ -17,9 +17,9 @@ from hpctrain.config_build import build
 from hpctrain.models import family_of
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.hf_config import model_keys, read_hf_config, unsupported
-from hpctrain.models.hf_names import TIED_SOURCE, expert_stack, hf_expert_name, hf_weight_name
+from hpctrain.models.hf_names import expert_stack
 from hpctrain.train.hf_export import find_checkpoint, read_full_model
-from hpctrain.train.hf_import import safe_open_or_explain, weight_files
+from hpctrain.train.hf_import import hf_sources, safe_open_or_explain, weight_files
 
 
 @dataclass
@@ -34,12 +34,13 @@ class OneDevice:
     run_dir: Path | None
 
 
-def _into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+def _into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: Path, *,
+          shape: ModelConfig) -> None:
     """Copy `tensors` (hpctrain names) into `model`; a tied head may be absent. ValueError
     naming the first missing or mis-shaped weight."""
     state = model.state_dict()
-    tied = getattr(model, "cfg", None) is not None and model.cfg.tied_embeddings
-    missing = [n for n in state if n not in tensors and not (tied and n == "output.weight")]
+    head = f"{family_of(shape).head}.weight" if shape.tied_embeddings else None
+    missing = [n for n in state if n not in tensors and n != head]
     if missing:
         raise ValueError(f"{source} has no weight {missing[0]!r} of the model its shape "
                          f"describes ({len(missing)} missing): is it complete?")
@@ -85,19 +86,15 @@ def _from_hf(directory: str | Path, shape: ModelConfig) -> dict[str, torch.Tenso
     safe_open = safe_open_or_explain()
     out = {}
     for name in _bare(shape).state_dict():
-        stack = expert_stack(name)
-        names = ([hf_expert_name(stack[0], e, stack[1]) for e in range(shape.moe.num_experts)]
-                 if stack else [hf_weight_name(name)])
-        if names == ["lm_head.weight"] and names[0] not in files:
-            names = [TIED_SOURCE]
-        missing = [hf for hf in names if hf not in files]
-        if missing:
-            raise ValueError(f"{directory} has no tensor {missing[0]!r} (hpctrain's {name})")
+        if shape.tied_embeddings and name == f"{family_of(shape).head}.weight":
+            continue  # the embedding's
+        names = hf_sources(name, files, Path(directory), experts=shape.moe.num_experts)
         tensors = []
         for hf in names:
             with safe_open(files[hf], framework="pt") as f:
                 tensors.append(f.get_tensor(hf))
-        out[name] = torch.stack([t.t() for t in tensors]) if stack else tensors[0]
+        out[name] = (torch.stack([t.t() for t in tensors]) if expert_stack(name)
+                     else tensors[0])
     return out
 
 
@@ -116,9 +113,10 @@ def load_one_device(*, from_: str | None = None, init_from: str | None = None,
         shape, source, step, run_dir = hf_shape(init_from), Path(init_from), None, None
         tensors = _from_hf(init_from, shape)
     model = _bare(shape).to_empty(device=device).to(dtype)
-    if shape.tied_embeddings and getattr(model, "output", None) is not None:
-        model.output.weight = model.tok_embeddings.weight  # to_empty unties
-    _into(model, tensors, source)
+    family = family_of(shape)
+    if shape.tied_embeddings:  # to_empty unties them
+        getattr(model, family.head).weight = getattr(model, family.embedding).weight
+    _into(model, tensors, source, shape=shape)
     model.rope(torch.device(device))  # built for this device before any forward
     return OneDevice(shape, model.eval(), source, step, run_dir)
 

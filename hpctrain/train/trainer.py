@@ -37,6 +37,7 @@ from hpctrain.train import continuation, nonfinite
 from hpctrain.train.checkpointer import Checkpointer, save_metrics
 from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.eval_set import eval_indices
+from hpctrain.train.exports import Exporter
 from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
@@ -91,6 +92,7 @@ class Trainer:
         self.compile_watch = CompileWatch()  # train.compile: compile time, recompilations
         self.checkpointer = Checkpointer(mesh, asynchronous=t.checkpoint_async,
                                          retention=Retention(t.keep, t.keep_every))
+        self.exporter = Exporter(self.run_dir, every=t.export_every if mesh.is_logging_rank else 0)
 
     # -- batches ---------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -252,8 +254,10 @@ class Trainer:
         try:
             extra["checkpoint"] = str(self.save())
             self.checkpointer.wait()  # sealed before the run reports it
+            self.exporter.sealed(self.checkpointer.finished() if logging_rank else [])
         finally:
             self.checkpointer.close()
+            extra.update(self.exporter.close())
         extra.update(self.checkpointer.summary())
         return self._finish(loggers, extra) if logging_rank else {}
 
@@ -352,6 +356,7 @@ class Trainer:
             return
         progress.advance(step - 1)
         saves = self.checkpointer.finished()
+        self.exporter.sealed(saves)
         metrics.update(self.checkpointer.started_at(step))
         if (step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics
                 or metrics["nonfinite"] or saves or "ckpt_block_s" in metrics):

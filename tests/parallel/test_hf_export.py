@@ -54,3 +54,26 @@ def test_export_round_trip_after_tp2_training(world2, tmp_path):
     skip = {"dtype", "torch_dtype", "transformers_version"}
     assert {k: v for k, v in exported.items() if k in imported and k not in skip} == {
         k: imported[k] for k in exported if k in imported and k not in skip}
+
+
+def test_export_every_writes_each_kept_checkpoint_while_training(world2, tmp_path):
+    """train.export_every=2 with checkpoints every step kept every 2: steps 2 and 4 exported
+    by the logging rank during the run (bf16 by default), each loadable by transformers;
+    a bad setting is refused before launch."""
+    save_tiny_llama(tmp_path / "hf", tied=True)
+    settings = ["train.checkpoint_every=1", "train.keep_every=2", "train.export_every=2"]
+    world2.run(_first_step, [f"model.init_from={tmp_path / 'hf'}", "parallel.dp=2", *settings],
+               str(tmp_path / "run"), 4)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [e["step"] for e in summary["exports"]] == [2, 4]
+    assert all("error" not in e for e in summary["exports"])
+    for step in (2, 4):
+        out = tmp_path / "run" / "hf" / f"step_{step:08d}"
+        model = transformers.AutoModelForCausalLM.from_pretrained(out)
+        assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"train.export_every=3 is not a multiple of train."
+                                         r"keep_every=2"):
+        make_config(["train.checkpoint_every=1", "train.keep_every=2", "train.export_every=3"],
+                    run_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"model debug_moe has no exact Hugging Face form"):
+        make_config(["model=debug_moe", *settings], run_dir=tmp_path)

@@ -12,6 +12,7 @@ import torch
 from hpctrain.models import build_model
 from hpctrain.models.hf_names import expert_stack, hf_expert_name, hf_weight_name
 from hpctrain.ops.rope import inv_frequencies
+from hpctrain.train.one_device import load_one_device
 from tests.conftest import make_config
 from tests.hf_models import FAMILIES, save_tiny_llama, tiny_mistral
 
@@ -115,8 +116,10 @@ def test_mixtral_logits_equal_transformers_fp32(tmp_path):
     hf, model, cfg = _imported(tmp_path, tied=False, dtype=torch.float32, hf=FAMILIES["mixtral"]())
     m = cfg.model
     assert (m.moe.num_experts, m.moe.top_k, m.moe.every, m.expert_ffn_dim) == (4, 2, 1, 96)
+    one = load_one_device(init_from=str(tmp_path)).model  # what generate and eval load
     with torch.no_grad():
         want, got = hf(TOKENS).logits, model(TOKENS)
+        assert torch.equal(one(TOKENS), got)
     assert (got - want).abs().max().item() <= 1e-5
 
 
@@ -192,3 +195,37 @@ def test_shapes_without_an_exact_hugging_face_family_are_named():
     assert "Qwen2 derives head_dim" in why[0]
     with pytest.raises(ValueError, match="no exact Hugging Face form: model.moe.every=2"):
         hf_config(PRESETS["debug_moe"], dtype="fp32")
+
+
+def test_the_data_tokenizer_defaults_to_the_model_directorys(tmp_path):
+    """model.init_from with a tokenizer.json: the data is tokenised by it unless the run says
+    otherwise, and another tokenizer (or data prepared with one) is refused, naming both."""
+    from tests.unit.tokenizer_files import hf_tokenizer_dir
+
+    pytest.importorskip("tokenizers")
+    model = tmp_path / "model"
+    save_tiny_llama(model, tied=True)
+    hf_tokenizer_dir(model)
+    (tmp_path / "c.txt").write_text("hello world , w1 w2 w3\n" * 400)
+    data = ["data=files", f"data.paths=[{tmp_path / 'c.txt'}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=16"]
+    cfg = make_config(["model=hf", f"model.init_from={model}", *data], run_dir=tmp_path)
+    assert (cfg.data.tokenizer, cfg.data.tokenizer_path) == ("hf", str(model))
+    with pytest.raises(ValueError, match=r"data.tokenizer=bpe is not the tokenizer of model"):
+        make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=bpe"],
+                    run_dir=tmp_path)
+    other = hf_tokenizer_dir(tmp_path / "other", words=41)
+    with pytest.raises(ValueError, match=rf"data.tokenizer_path={other} is not the tokenizer"):
+        make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=hf",
+                     f"data.tokenizer_path={other}"], run_dir=tmp_path)
+    same = hf_tokenizer_dir(tmp_path / "same")  # the same file elsewhere: the same ids
+    make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=hf",
+                 f"data.tokenizer_path={same}"], run_dir=tmp_path)
+    # prepared with the byte tokenizer, then given as tokens: refused
+    from hpctrain.data.prepare import prepare
+
+    byte = make_config([*data, "data.tokenizer=byte"], run_dir=tmp_path)
+    prepared = prepare(byte.data)
+    with pytest.raises(ValueError, match=r"was prepared with data.tokenizer=byte"):
+        make_config(["model=hf", f"model.init_from={model}", "data.source=tokens",
+                     f"data.paths=[{prepared}]", "train.seq_len=16"], run_dir=tmp_path)
