@@ -25,7 +25,6 @@ Every part runs in its own world of spawned gloo ranks (1 thread each) on one mo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ def _src(argv: list[str]) -> Path:
 sys.path.insert(0, str(_src(sys.argv)))  # the hpctrain under test
 sys.path.insert(1, str(ROOT))  # benchmarks.common
 
-from benchmarks.common import spawn, to_nn_linear  # noqa: E402
+from benchmarks.common import measure_phase, spawn, to_nn_linear  # noqa: E402
 
 
 def _model(dim: int, layers: int) -> list[str]:
@@ -100,22 +99,9 @@ def _trainer(overrides: list[str], run_dir: str):
 
 
 # -- resident memory --------------------------------------------------------------------------
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _peak_over_start(fn) -> int:
     """Bytes of resident memory `fn` needed at its peak beyond what was resident before."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    start = _status("VmRSS")
-    fn()
-    dist.barrier()
-    return _status("VmHWM") - start
+    return measure_phase(fn)[2]
 
 
 def _own_shard_bytes(trainer) -> int:

@@ -9,12 +9,14 @@ dir; rank 0 returns its result through a JSON file.
 from __future__ import annotations
 
 import copy
+import ctypes
 import datetime
 import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -35,13 +37,14 @@ def bench_config(*, layers: int = 4, dim: int = 256, seq: int = 128) -> ModelCon
     return ModelConfig("bench", 512, dim, layers, 4, 2, int(2.75 * dim), seq)
 
 
-def _entry(rank: int, world: int, store_path: str, fn, args, out_path: str) -> None:
+def _entry(rank: int, world: int, store_path: str, fn, args, out_path: str,
+           timeout_s: float = 120.0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # deprecation chatter from gloo/DTensor on every call
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     finished = False
     try:
         result = fn(rank, world, args)
@@ -52,13 +55,41 @@ def _entry(rank: int, world: int, store_path: str, fn, args, out_path: str) -> N
         close_process_groups(clean=finished)
 
 
-def spawn(fn, args, *, world: int = 2) -> dict:
-    """Run fn(rank, world, args) on `world` spawned gloo ranks; return rank 0's result."""
+def spawn(fn, args, *, world: int = 2, timeout_s: float = 120.0) -> dict:
+    """Run fn(rank, world, args) on `world` spawned gloo ranks (collectives time out after
+    `timeout_s`); return rank 0's result."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         torch.multiprocessing.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args,
-                                                  out), nprocs=world, join=True)
+                                                  out, timeout_s), nprocs=world, join=True)
         return json.loads(Path(out).read_text())
+
+
+def status_bytes(key: str) -> int:
+    """A `/proc/self/status` size (VmRSS, VmHWM, RssAnon, ...) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure_phase(fn, *, collective: bool = True):
+    """(fn(), seconds, peak resident bytes over those when it began, peak resident bytes).
+    Freed heap is returned first (malloc_trim) and the high-water mark reset (VmHWM := VmRSS
+    through /proc/self/clear_refs), so the peak is this phase's own. `collective`: ranks
+    start and end together (barriers outside the timed part)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if collective:
+        dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    start = status_bytes("VmRSS")
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    if collective:
+        dist.barrier()
+    peak = status_bytes("VmHWM")
+    return result, seconds, peak - start, peak
 
 
 def to_nn_linear(model: nn.Module) -> nn.Module:

@@ -20,6 +20,8 @@ RUNS = {
     "moe": ["benchmarks/bench_moe.py", "--world", "2", "--steps", "1", "--warmup", "0",
             "--batch", "1", "--seq", "16", "--dim", "32"],
     "startup": ["benchmarks/bench_startup.py", "--repeats", "1"],
+    "hf_interop": ["benchmarks/bench_hf_interop.py", "--dim", "64", "--layers", "2", "--vocab",
+                   "512", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--world", "2"],
 }
 
 
