@@ -91,12 +91,13 @@ def _read_box(opened, names: list[str], chunk: Chunk, directory: Path) -> int:
     box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
     if len(names) == 1 and expert_stack(chunk.path[1]) is None:
         values = [_slice(opened(names[0]), names[0], chunk.size, box, directory)]
-        chunk.data.copy_(values[0].to(chunk.data.dtype))
+        chunk.data.copy_(values[0])  # converts as it copies: no full-size temporary
     else:  # experts box[0] of [E, in, out]: each expert's [out, in] box, transposed
         want = (chunk.size[2], chunk.size[1])
         values = [_slice(opened(names[e]), names[e], want, (box[2], box[1]), directory)
                   for e in range(box[0].start, box[0].stop)]
-        chunk.data.copy_(torch.stack([v.t() for v in values]).to(chunk.data.dtype))
+        for row, v in zip(chunk.data, values, strict=True):
+            row.copy_(v.t())
     return sum(v.numel() * v.element_size() for v in values)
 
 
