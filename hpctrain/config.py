@@ -128,6 +128,9 @@ class TrainConfig:
     # <run_dir>/hf/step_XXXXXXXX, written while training goes on (0: none; hpctrain.train.exports)
     export_every: int = 0
     resume: str = "auto"  # auto (newest verified checkpoint of the run dir) | never | <dir>
+    # A resume whose data.*/train.seed/seq_len differ from the checkpoint's would read other
+    # tokens or another order: refused unless allow (hpctrain.train.resume_changes)
+    resume_changes: Literal["refuse", "allow"] = "refuse"
     profile: bool = False  # torch.profiler Chrome trace of a few steps
     profile_steps: int = 3
     stop_after: int | None = None  # stop (with a checkpoint) after this step, as a preemption would

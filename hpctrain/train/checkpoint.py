@@ -106,7 +106,8 @@ def agreed_latest(run_dir: Path, *, refused: tuple[str, ...] = ()) -> Verified |
     return found
 
 
-def load_latest(run_dir: Path, *, parallel: ParallelState, model_config: ModelConfig | None = None
+def load_latest(run_dir: Path, *, parallel: ParallelState, model_config: ModelConfig | None = None,
+                accept: Callable[[Verified, dict[str, Any]], None] | None = None
                 ) -> tuple[Verified, dict[str, Any], dict[str, Any]] | None:
     """Collective: `load` the newest checkpoint of `run_dir` that verifies and loads, falling
     back past one a loader refuses (`Refused`: one log line each, as for any damage); None
@@ -114,7 +115,8 @@ def load_latest(run_dir: Path, *, parallel: ParallelState, model_config: ModelCo
     refused: tuple[str, ...] = ()
     while (found := agreed_latest(run_dir, refused=refused)) is not None:
         try:
-            return (found, *load(found, parallel=parallel, model_config=model_config))
+            return (found, *load(found, parallel=parallel, model_config=model_config,
+                                 accept=accept))
         except Refused as err:
             if dist.get_rank() == 0:
                 log.warning("skipping %s: %s", found.path.relative_to(Path(run_dir)), err)
@@ -209,18 +211,25 @@ def _dcp_load(chunks: list[Chunk], path: Path) -> None:
 
 # -- loading -----------------------------------------------------------------------------------
 def load(checkpoint: Verified | Path, *, parallel: ParallelState,
-         model_config: ModelConfig | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+         model_config: ModelConfig | None = None,
+         accept: Callable[[Verified, dict[str, Any]], None] | None = None
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: load the engine's weights and optimizer state of `parallel` in place (this
     rank's dp shard of its tp slice, per the shard spec); returns (train_state, this rank's
     rank_state). A Path is verified first (`agreed_check`); nothing in the
     directory is read before that. With `model_config`, a checkpoint of another model shape
     is refused (ValueError) before any tensor is read; another dp/tp/pp/zero layout is
-    resharded. A rank that has no file of its own (the world grew) takes rank 0's RNG state.
+    resharded. `accept(verified, train_state)` may refuse the checkpoint's recorded state
+    (raising; every rank reads the same file, so all raise alike) before any tensor is read.
+    A rank that has no file of its own (the world grew) takes rank 0's RNG state.
     """
     verified = checkpoint if isinstance(checkpoint, Verified) else agreed_verified(checkpoint)
     path = verified.path
     if model_config is not None:
         _refuse_other_shape(verified, model=model_config)
+    train_state = json.loads((path / "train_state.json").read_text())
+    if accept is not None:
+        accept(verified, train_state)
     rank_state = _agreed(path, read=lambda: _read_rank_state(path))
     engine = parallel.engine
     step = torch.zeros(())
@@ -228,7 +237,6 @@ def load(checkpoint: Verified | Path, *, parallel: ParallelState,
     chunks.append(Chunk(state_path("step", engine.units[0].names[0]), (), (), step))
     _dcp_load(chunks, path)
     refresh_from_masters(engine, steps=int(step))
-    train_state = json.loads((path / "train_state.json").read_text())
     torch.set_rng_state(rank_state["rng"]["torch"])
     return train_state, rank_state
 

@@ -33,7 +33,7 @@ from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
 from hpctrain.train import checkpoint as ckpt
-from hpctrain.train import continuation, nonfinite
+from hpctrain.train import continuation, nonfinite, resume_changes
 from hpctrain.train.checkpointer import Checkpointer, save_metrics
 from hpctrain.train.ckpt_writer import Retention
 from hpctrain.train.eval_set import eval_indices
@@ -117,7 +117,8 @@ class Trainer:
         # Chosen and verified on rank 0 for every rank; unverified or refused ones are skipped
         # (auto) or stop the run (an explicit directory); another model shape stops it. With
         # none, the run starts from model.init_from's weights when set (a checkpoint wins).
-        kw = dict(parallel=self.parallel, model_config=self.cfg.model)
+        kw = dict(parallel=self.parallel, model_config=self.cfg.model,
+                  accept=resume_changes.acceptor(self.cfg, logging_rank=self.mesh.is_logging_rank))
         loaded = None
         if mode == "auto":
             loaded = ckpt.load_latest(self.run_dir, **kw)
@@ -157,7 +158,8 @@ class Trainer:
                  "data_offset": self.data_offset,
                  "nonfinite_rollbacks": self.guard.rollbacks,
                  "consumed_samples": (self.step + self.data_offset) * gbs,
-                 "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero}
+                 "dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
+                 "config": resume_changes.recorded(self.cfg)}
         nonfinite.check_finite_state(self._state_tensors(), path=path, device=self.mesh.device)
         self.checkpointer.save(path, parallel=self.parallel, train_state=state,
                                rank_state={"scaler": self.scaler.state_dict()},
