@@ -26,9 +26,9 @@ between the processes sharing them, so forked workers are not counted twice) of 
 and all its descendants, sampled every 0.2 s. Correctness: both sides' token and document
 counts agree, and the first documents' framed ids hash the same.
 
-    python benchmarks/bench_prepare.py --mb 200 --files 8 --workers 1,2 --write
+    python benchmarks/bench_prepare.py --mb 120 --files 8 --workers 1,2 --write  # ~5 min, 2 cores
     python benchmarks/bench_prepare.py --mb 1 --files 2 --workers 1,2 --vocab 2000 \\
-        --shard-mb 0.25                                    # toy size (the smoke test)
+        --train-mb 1 --shard-mb 0.25                       # toy size (the smoke test)
 """
 
 from __future__ import annotations
