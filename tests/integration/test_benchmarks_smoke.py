@@ -22,6 +22,8 @@ RUNS = {
     "startup": ["benchmarks/bench_startup.py", "--repeats", "1"],
     "hf_interop": ["benchmarks/bench_hf_interop.py", "--dim", "64", "--layers", "2", "--vocab",
                    "512", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--world", "2"],
+    "prepare": ["benchmarks/bench_prepare.py", "--mb", "1", "--files", "2", "--workers", "1,2",
+                "--vocab", "2000", "--train-mb", "1", "--shard-mb", "0.25"],
 }
 
 
