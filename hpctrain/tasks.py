@@ -57,8 +57,12 @@ def plan_task(cfg: Config) -> dict[str, Any]:
 
 
 def prepare_task(cfg: Config) -> dict[str, Any]:
-    """Tokenise the data into the cache (hpctrain.data.prepare); returns its meta.json."""
-    out = prepare(cfg.data)
+    """Tokenise the data into the cache (hpctrain.data.prepare); returns its meta.json. In a
+    Slurm job the job's tasks share the work (each its units; task 0 assembles)."""
+    share = (0, 1)
+    if cfg.cluster.launcher == "slurm" and "SLURM_PROCID" in os.environ:
+        share = (int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_NTASKS", "1")))
+    out = prepare(cfg.data, share=share, timeout_s=cfg.cluster.timeout_s)
     return {"data_dir": str(out), **json.loads((out / "meta.json").read_text())}
 
 

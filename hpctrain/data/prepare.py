@@ -34,15 +34,16 @@ from pathlib import Path
 
 from hpctrain.config import DataConfig
 from hpctrain.data.assemble import Stream, assemble
+from hpctrain.data.bpe_train import BPE_EOD, train_bpe
 from hpctrain.data.mixture import mixture_plan, single_plan
-from hpctrain.data.records import list_inputs, records, splittable
+from hpctrain.data.prepare_share import await_progress, task0_alive
+from hpctrain.data.records import list_inputs, splittable
 from hpctrain.data.shards import Input, ShardStats, Unit, finished, input_bytes, write_shard
 from hpctrain.data.tokenizer import BYTE_EOD, TokenizerSpec, load
 
 log = logging.getLogger(__name__)
 __all__ = ["BYTE_EOD", "prepare", "source_files", "tokenizer_vocab", "split_sizes"]
 PROGRESS_S = 10.0  # at most one progress line this often
-BPE_EOD = "<|eod|>"
 
 
 def source_files(data: DataConfig) -> list[Path]:
@@ -181,8 +182,15 @@ def _locked(path: Path):
         yield
 
 
-def prepare(data: DataConfig) -> Path:
-    """Return the prepared token directory for `data`, building it if needed (module doc)."""
+def prepare(data: DataConfig, *, share: tuple[int, int] = (0, 1),
+            timeout_s: float = 600.0) -> Path:
+    """Return the prepared token directory for `data`, building it if needed (module doc).
+
+    `share` = (task, tasks): one of `tasks` processes (the tasks of a Slurm job) that build it
+    together: task t tokenises units t, t + tasks, ...; task 0 also trains a bpe tokenizer
+    first, waits for every unit and assembles; the others wait for the result. A wait that
+    sees no progress for `timeout_s` (a task died) stops with the fix: run it again, the
+    finished shards are kept."""
     if data.source == "tokens":
         return Path(os.path.expanduser(data.paths[0]))
     files = source_files(data)
@@ -192,18 +200,28 @@ def prepare(data: DataConfig) -> Path:
     out = _out_dir(data, files)
     if (out / "meta.json").exists():  # every rank looks; no lock (nor a writable cache) needed
         return out
+    if share[0] > 0:  # a helper task: its units, then the assembled result of task 0
+        _build(data, files, out, share=share, timeout_s=timeout_s)
+        await_progress(lambda: (out / "meta.json").exists(), timeout_s,
+               what=f"task 0 assembling {out}", progress=task0_alive(out))
+        return out
     with _locked(out.with_name(f"{out.name}.lock")):
         if not (out / "meta.json").exists():
-            _build(data, files, out)
+            _build(data, files, out, share=share, timeout_s=timeout_s)
     return out
 
 
-def _build(data: DataConfig, files: list[Path], out: Path) -> None:
+def _build(data: DataConfig, files: list[Path], out: Path, *, share: tuple[int, int],
+           timeout_s: float) -> None:
     work = out.with_name(f"{out.name}.partial")
     (work / "shards").mkdir(parents=True, exist_ok=True)
     inputs = _limits(data, files)
-    if data.tokenizer == "bpe" and not (work / "tokenizer.json").exists():
-        _train_bpe(data, inputs, work)
+    task, tasks = share
+    if data.tokenizer == "bpe" and task > 0:  # task 0 trains it
+        await_progress(lambda: (work / "tokenizer.json").exists(), timeout_s,
+               what=f"task 0 training the bpe tokenizer in {work}", progress=task0_alive(out))
+    elif data.tokenizer == "bpe" and not (work / "tokenizer.json").exists():
+        train_bpe(data, inputs, work, fmt=input_format(data))
     spec = tokenizer_spec(data, work)
     encoder = load(spec)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
@@ -212,8 +230,19 @@ def _build(data: DataConfig, files: list[Path], out: Path) -> None:
     for group in groups:
         units.append(_units(data, group, work / "shards", spec, dtype,
                             first=sum(map(len, units))))
-    start = time.monotonic()
-    stats = _run_units([u for g in units for u in g], workers=data.workers)
+    start, every = time.monotonic(), [u for g in units for u in g]
+    if tasks > 1:
+        log.info("prepare: task %d of %d tokenises %d of the %d units", task, tasks,
+                 len(every[task::tasks]), len(every))
+    _run_units(every[task::tasks], workers=data.workers)
+    if task > 0:
+        return
+    await_progress(lambda: all(finished(u) is not None for u in every), timeout_s,
+           what=f"the shards of tasks 1..{tasks - 1}",
+           progress=lambda: sum(finished(u) is not None for u in every))
+    stats = ShardStats()
+    for u in every:
+        stats.add(finished(u))
     streams = [Stream(tuple(u.stem for u in g), tuple(finished(u).tokens for u in g))
                for g in units]
     plan, report = _plan(data, streams)
@@ -355,28 +384,3 @@ def _summary(stats: ShardStats, out: Path, *, seconds: float) -> None:
     log.info("prepared %d documents, %d tokens (skipped %d empty, %d bad) from %d bytes in "
              "%.1f s into %s", stats.documents, stats.tokens, stats.empty, stats.bad,
              stats.input_bytes, seconds, out)
-
-
-def _train_bpe(data: DataConfig, inputs: list[Input], work: Path) -> None:
-    """Train a byte-level BPE of data.bpe_vocab_size on the inputs' text (streamed)."""
-    # Optional (the `data` extra): only data.tokenizer=bpe needs it.
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=data.bpe_vocab_size, special_tokens=[BPE_EOD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    fmt = input_format(data)
-
-    def texts():
-        for path, start, stop in inputs:
-            for rec in records(Path(path), fmt, text_key=data.text_key, start=start,
-                               stop=stop):
-                if rec.problem is None and rec.text:  # bad records: the shard pass reports
-                    t = rec.text
-                    yield t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
-
-    tok.train_from_iterator(texts(), trainer=trainer)
-    tok.save(str(work / "tokenizer.json.tmp"))
-    os.replace(work / "tokenizer.json.tmp", work / "tokenizer.json")

@@ -184,15 +184,19 @@ class SweepSummary(Callback):
 def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     """Validate every point before any job starts (`sweep_check`), then prepare the data of
     each distinct data config once, so jobs only read the token cache, and check that every
-    point's batches fit its data (one ValueError naming each point that does not)."""
+    point's batches fit its data (one ValueError naming each point that does not). A Slurm
+    task=prepare point is left to its job."""
 
     points = parsed_points(config, run_dir=sweep_dir)
     overrides = sweep_points(list(config.hydra.overrides.task))
-    prepared = {p.data: prepare(p.data) for p in points if reads_data(p)}
+    # task=prepare on Slurm is the job's own work (its tasks share it): not done here
+    here = [reads_data(p) and not (p.task == "prepare" and p.cluster.launcher == "slurm")
+            for p in points]
+    prepared = {p.data: prepare(p.data) for p, now in zip(points, here, strict=True) if now}
     errors = []
     for i, point in enumerate(points):
         try:
-            if reads_data(point):
+            if here[i]:
                 check_prepared(point, prepared[point.data])
         except ValueError as err:
             errors.append(f"point {i} ({' '.join(overrides[i]) or 'no overrides'}): {err}")

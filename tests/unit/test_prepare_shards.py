@@ -7,6 +7,8 @@ import gzip
 import hashlib
 import json
 import logging
+import multiprocessing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +118,35 @@ def test_one_big_jsonl_file_is_cut_into_byte_ranges(tmp_path):
     with pytest.raises(ValueError, match="line 34"):
         prep.prepare(data_config(tmp_path / "c", [tmp_path / "big.jsonl"], format="jsonl",
                                  shard_bytes=97))
+
+
+def _share(directory: str, corpus: str, task: int, tasks: int, timeout_s: float) -> str:
+    """One task of a shared prepare, in its own process (as a Slurm task)."""
+    from tests.unit.test_corpus import data_config as config
+
+    data = config(Path(directory), [corpus], format="jsonl", shard_bytes=1, tokenizer="bpe",
+                  bpe_vocab_size=300)
+    return str(prep.prepare(data, share=(task, tasks), timeout_s=timeout_s))
+
+
+def test_tasks_sharing_a_prepare_give_the_bytes_of_one(tmp_path):
+    """Three processes, as the tasks of a Slurm job: each tokenises its share of the units,
+    task 0 trains the bpe tokenizer first and assembles: the same bytes as one process."""
+    corpus = _corpus(tmp_path)
+    alone = prep.prepare(data_config(tmp_path / "a", [corpus], format="jsonl", shard_bytes=1,
+                                     tokenizer="bpe", bpe_vocab_size=300))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        outs = pool.starmap(_share, [(str(tmp_path / "b"), str(corpus), t, 3, 60)
+                                     for t in (2, 1, 0)])
+    assert len(set(outs)) == 1
+    assert _files(alone) == _files(Path(outs[0]))
+
+
+def test_a_shared_prepare_whose_task_died_stops_with_the_fix(tmp_path):
+    corpus = _corpus(tmp_path)
+    data = data_config(tmp_path, [corpus], format="jsonl", shard_bytes=1)
+    with pytest.raises(ValueError, match=r"without progress for the shards of tasks 1..1 .*"
+                                         r"run task=prepare again"):
+        prep.prepare(data, share=(0, 2), timeout_s=1)  # task 1 never came
+    assert prep.prepare(data).is_dir()  # run again, alone: the finished shards are kept

@@ -1,0 +1,38 @@
+"""data.tokenizer=bpe: a byte-level BPE trained on the corpus itself by prepare (the `data`
+extra's tokenizers library), then read like any Hugging Face tokenizer.json."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpctrain.config import DataConfig
+from hpctrain.data.records import records
+from hpctrain.data.shards import Input
+
+BPE_EOD = "<|eod|>"
+
+
+def train_bpe(data: DataConfig, inputs: list[Input], work: Path, *, fmt: str) -> None:
+    """Train a byte-level BPE of data.bpe_vocab_size on the inputs' text (streamed, read as
+    `fmt`) into `work/tokenizer.json` (written whole: through a temp file and a rename)."""
+    # Optional (the `data` extra): only data.tokenizer=bpe needs it.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=data.bpe_vocab_size, special_tokens=[BPE_EOD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def texts():
+        for path, start, stop in inputs:
+            for rec in records(Path(path), fmt, text_key=data.text_key, start=start,
+                               stop=stop):
+                if rec.problem is None and rec.text:  # bad records: the shard pass reports
+                    t = rec.text
+                    yield t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    tok.save(str(work / "tokenizer.json.tmp"))
+    os.replace(work / "tokenizer.json.tmp", work / "tokenizer.json")
