@@ -98,7 +98,9 @@ class Block(nn.Module):
                 cache: LayerCache | None = None):
         """Under sequence parallelism x_BLD is this rank's sequence shard, but attention runs
         after the entry all-gather on the whole row, so `rope` and `docs` cover all L tokens."""
-        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope, docs, cache)
+        # training calls keep their three inputs (wrappers and DTensor plans see those)
+        extra = () if cache is None else (cache,)
+        h_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), rope, docs, *extra)
         return h_BLD + self.mlp(self.mlp_norm(h_BLD))
 
 
@@ -137,7 +139,8 @@ class Transformer(nn.Module):
         rope = block_rope(tables, docs) if cache is None else rope_at(tables,
                                                                       cache.positions(x, docs))
         for i, block in self.layers.items():
-            h_BLD = block(h_BLD, rope, docs, None if cache is None else cache.layer(int(i)))
+            extra = () if cache is None else (cache.layer(int(i)),)
+            h_BLD = block(h_BLD, rope, docs, *extra)
         if cache is not None:
             cache.advance(x.shape[1])
         if self.output is None:
