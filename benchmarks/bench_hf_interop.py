@@ -42,7 +42,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -55,7 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import measure_phase, spawn  # noqa: E402
+from benchmarks.common import gib, host_line, measure_phase, spawn  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "hf_interop.md"
 SHARD = 2 * 10**9  # save_pretrained(max_shard_size="2GB"); export.max_shard_mb the same
@@ -236,8 +235,8 @@ def preflight(params: int, world: int, name: str) -> None:
     rank's build transient (~1 byte per parameter, measured at 31.6M), before any rank starts."""
     need = 17 * params + world * 0.3 * 2**30
     if need > _available():
-        raise SystemExit(f"{name}: the ranks' state needs ~{_gib(need)} GiB but "
-                         f"{_gib(_available())} GiB is available: free memory or shrink the "
+        raise SystemExit(f"{name}: the ranks' state needs ~{gib(need)} GiB but "
+                         f"{gib(_available())} GiB is available: free memory or shrink the "
                          "model (--layers/--vocab)")
 
 
@@ -254,26 +253,12 @@ def hpctrain_side(hf_dir: str, tmp: Path, name: str, layout: list[str], world: i
 
 
 # -- report -----------------------------------------------------------------------------------
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def host_line() -> str:
-    import safetensors
-    import transformers
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (f"host: {os.cpu_count()} cores, {_gib(mem)} GiB memory, {platform.machine()}; "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"safetensors {safetensors.__version__}; python {platform.python_version()}")
-
-
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}×" if b >= 2**20 else "n/a"  # under 1 MiB: noise, not a base
 
 
 def _row(label: str, s: float, over: float, peak: float, ref: dict, extra: str) -> str:
-    return (f"| {label} | {s:.2f} | {_gib(over)} | {_gib(peak)} | {s / ref['s']:.2f}× | "
+    return (f"| {label} | {s:.2f} | {gib(over)} | {gib(peak)} | {s / ref['s']:.2f}× | "
             f"{_ratio(over, ref['over'])} | {_ratio(peak, ref['peak'])} | {extra} |")
 
 
@@ -298,7 +283,7 @@ def table(kind: str, hf: dict, ours: dict[str, dict]) -> list[str]:
             e = r["export"]
             lines.append(_row(f"hpctrain task=export from {name}", e["s"], e["over"],
                               e["peak"], ref, "1 process, sha256 verification included; "
-                              f"process peak {_gib(r['max_rss'])} GiB"))
+                              f"process peak {gib(r['max_rss'])} GiB"))
     return lines
 
 
@@ -309,7 +294,7 @@ def per_rank(ours: dict[str, dict]) -> list[str]:
     for name, r in ours.items():
         for rank, x in enumerate(r["ranks"]):
             lines.append(f"| {name} | {rank} | {x['s']:.2f} | {x['read'] / 2**20:.0f} | "
-                         f"{_gib(x['over'])} | {_gib(x['peak'])} | {_gib(x['max_rss'])} |")
+                         f"{gib(x['over'])} | {gib(x['peak'])} | {gib(x['max_rss'])} |")
     return lines
 
 
@@ -362,13 +347,14 @@ def main() -> None:
     lines = ["# Hugging Face interop: hpctrain vs transformers", "",
              f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}` "
              f"({time.time() - t0:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
-             "", host_line(), f"load average at start {load0[0]:.2f}, at end {load1[0]:.2f}",
+             "", host_line("transformers", "safetensors"),
+             f"load average at start {load0[0]:.2f}, at end {load1[0]:.2f}",
              "", f"model: {made['params'] / 1e6:.1f}M parameters (vocab {args.vocab}, dim "
              f"{args.dim}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, ffn "
              f"{args.ffn}, tied), bf16 files {made['file_bytes'] / 2**30:.2f} GiB, read as "
              "fp32; exports fp32; every process 1 thread; ratios hpctrain / transformers",
-             f"transformers' process: {_gib(hf['after_imports'])} GiB resident after imports, "
-             f"whole-process peak {_gib(hf['max_rss'])} GiB", "",
+             f"transformers' process: {gib(hf['after_imports'])} GiB resident after imports, "
+             f"whole-process peak {gib(hf['max_rss'])} GiB", "",
              *table("import", hf, ours), "", *per_rank(ours), "", *table("export", hf, ours),
              "", *checks(ours)]
     text = "\n".join(lines) + "\n"

@@ -38,7 +38,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -52,6 +51,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import gib, host_line  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prepare.md"
 EOT = "<|endoftext|>"
@@ -294,26 +295,11 @@ def datasets_side(paths: list[str], tok_dir: str, cache: str, workers: int, bos:
 
 
 # -- report -----------------------------------------------------------------------------------
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def host_line() -> str:
-    import datasets
-    import tokenizers
-    import torch
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (f"host: {os.cpu_count()} cores, {_gib(mem)} GiB memory, {platform.machine()}; "
-            f"torch {torch.__version__}, tokenizers {tokenizers.__version__}, datasets "
-            f"{datasets.__version__}; python {platform.python_version()}")
-
-
 def _row(n: int, side: str, r: dict, tokens: int, parts: str, notes: str) -> str:
     rate = tokens / r["s"]
     return (f"| {n} | {side} | {r['s']:.2f} | {parts} | {rate / 1e6:.3f} | {rate / n / 1e6:.3f} "
-            f"| {_gib(r['main_peak'])} | {_gib(r['worker_peak']) if n > 1 else '–'} | "
-            f"{_gib(r['tree_pss'])} | {r['out_bytes'] / 2**20:.0f} | {notes} |")
+            f"| {gib(r['main_peak'])} | {gib(r['worker_peak']) if n > 1 else '–'} | "
+            f"{gib(r['tree_pss'])} | {r['out_bytes'] / 2**20:.0f} | {notes} |")
 
 
 def table(results: dict[int, dict]) -> list[str]:
@@ -414,7 +400,8 @@ def report(args, corpus: dict, tok: dict, results: dict[int, dict], *, t0: float
     lines = ["# Data preparation: hpctrain prepare vs datasets.map", "",
              f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}` "
              f"({time.time() - t0:.0f} s, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
-             "", host_line(), f"load average at start {loads[0]:.2f}, at end {loads[1]:.2f}",
+             "", host_line("tokenizers", "datasets"),
+             f"load average at start {loads[0]:.2f}, at end {loads[1]:.2f}",
              "", f"corpus: {corpus['bytes'] / 1e6:.1f} MB of synthetic JSON Lines in "
              f"{args.files} files, {corpus['documents']:,} documents, {n_tokens:,} tokens "
              f"(generated in {corpus['s']:.0f} s); tokenizer: byte-level BPE of {tok['vocab']:,} "
