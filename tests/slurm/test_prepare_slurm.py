@@ -31,7 +31,7 @@ def test_prepare_shares_its_units_over_the_jobs_tasks(slurm_cluster, tmp_path):
         assert f"prepare: task {task} of 2 tokenises 3 of the 6 units" in logs
     alone = prep.prepare(data_config(tmp_path / "local", [corpus], format="jsonl",
                                      shard_bytes=1))
-    (shared,) = (tmp_path / "slurm" / "data").glob("*[!.lock]")
+    (shared,) = [p for p in (tmp_path / "slurm" / "data").iterdir() if p.suffix != ".lock"]
     assert shared.name == alone.name
     assert {p.name: p.read_bytes() for p in shared.iterdir()} == {
         p.name: p.read_bytes() for p in alone.iterdir()}
