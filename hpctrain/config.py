@@ -168,10 +168,35 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class Corpus:
-    """One corpus of data.mixture: its files (read like data.paths) and its weight."""
+    """One corpus of data.mixture: its files (read like data.paths, in its own format and text
+    key when given), its weight and its name (metrics `loss_<name>`, ...; empty: corpus<i>)."""
 
     paths: tuple[str, ...]
     weight: float
+    name: str = ""
+    format: Literal["text", "jsonl", "parquet", "hf"] | None = None  # null: data.format
+    text_key: str | None = None  # null: data.text_key
+
+
+def corpus_name(corpus: Corpus, index: int) -> str:
+    return corpus.name or f"corpus{index}"
+
+
+def corpus_view(data: DataConfig, corpus: Corpus) -> DataConfig:
+    """`data` as one corpus of its mixture is read: its paths, format and text key."""
+    return dataclasses.replace(data, paths=corpus.paths, mixture=(), stages=(), val_paths=(),
+                               format=corpus.format or data.format,
+                               text_key=corpus.text_key or data.text_key)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of data.stages: from the previous stage's until_step (0 for the first), the
+    corpora's weights by name (a corpus left out has weight 0); the last stage holds to the
+    end of the run."""
+
+    until_step: int
+    mixture: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -181,9 +206,14 @@ class DataConfig:
     # (files, globs or directories of shards, read as data.format); tokens: a prepared directory.
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     paths: tuple[str, ...] = ()
-    # Weighted corpora instead of data.paths: [{paths: [...], weight: 0.7}, ...]; corpus i makes
-    # weight_i / Σ weights of the train tokens (hpctrain.data.mixture).
+    # Weighted corpora instead of data.paths: [{name: web, paths: [...], weight: 0.7}, ...];
+    # corpus i gives weight_i / Σ weights of the samples of every step, drawn by a seeded
+    # schedule (hpctrain.data.schedule); each is its own epochs, loss, tokens and eval loss.
     mixture: tuple[Corpus, ...] = ()
+    # Other weights over the run, e.g. annealing on the best corpus for the last 10%:
+    # [{until_step: 900, mixture: {web: 0.7, math: 0.3}}, {until_step: 1000, mixture: {math: 1}}]
+    # (hpctrain.data.schedule); empty: data.mixture's weights throughout.
+    stages: tuple[Stage, ...] = ()
     # The val split from its own files (read like paths); empty: the last val_fraction of the
     # token stream.
     val_paths: tuple[str, ...] = ()

@@ -16,9 +16,10 @@ import importlib.util
 import json
 import math
 import os
+import re
 from pathlib import Path
 
-from hpctrain.config import Config
+from hpctrain.config import Config, corpus_name, corpus_view
 from hpctrain.config_build import format_problems
 from hpctrain.data import prepare as prep
 from hpctrain.data.records import SUFFIXES, list_inputs
@@ -55,6 +56,9 @@ def check_resume(c: Config) -> list[str]:
             "run directory) or train.resume=never"]
 
 
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def check_data_paths(c: Config) -> list[str]:
     """data.paths of files/tokens: present, readable files (or directories of shards; for
     data.format=hf, directories saved by `datasets`)."""
@@ -63,6 +67,10 @@ def check_data_paths(c: Config) -> list[str]:
         if getattr(d, key) and d.source != "files":
             return [f"data.{key} reads files, but data.source={d.source}: set data=files (or "
                     f"data=jsonl) with data.paths, or remove data.{key}"]
+    if d.stages and not d.mixture and d.source != "tokens":
+        return ["data.stages weighs the corpora of data.mixture, but there is none: give "
+                "data.mixture=[{name: web, paths: [...], weight: 0.7}, ...], or remove "
+                "data.stages"]
     if d.source == "stdlib":
         return []
     if d.mixture:
@@ -71,7 +79,7 @@ def check_data_paths(c: Config) -> list[str]:
         return [f"data.source={d.source} needs data.paths (files, globs or directories): e.g. "
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
     if d.source == "tokens":
-        return _token_dir_problems(d.paths)
+        return _token_dir_problems(d.paths, stages=d.stages)
     return [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
             for pattern in patterns for e in _pattern_problems(pattern, d.format, key=key)]
 
@@ -81,17 +89,50 @@ def _mixture_problems(c: Config) -> list[str]:
     if d.paths:
         return [f"data.paths={list(d.paths)} and data.mixture both name the corpus: give either "
                 "(data.paths=[] with data.mixture)"]
-    errs = []
+    errs = _name_problems(d.mixture) + stage_problems(d.stages, [
+        corpus_name(c, i) for i, c in enumerate(d.mixture)])
     for i, corpus in enumerate(d.mixture):
         key = f"data.mixture[{i}]"
         if not (corpus.weight > 0 and math.isfinite(corpus.weight)):
             errs.append(f"{key}.weight={corpus.weight:g} must be > 0: e.g. {key}.weight=1")
         if not corpus.paths:
             errs.append(f"{key}.paths is empty: give its files, globs or directories")
-        errs += [e for p in corpus.paths for e in _pattern_problems(p, d.format,
-                                                                    key=f"{key}.paths")]
+        errs += [e for p in corpus.paths for e in _pattern_problems(
+            p, corpus.format or d.format, key=f"{key}.paths")]
     return errs + [e for p in d.val_paths
                    for e in _pattern_problems(p, d.format, key="data.val_paths")]
+
+
+def _name_problems(mixture) -> list[str]:
+    names = [corpus_name(c, i) for i, c in enumerate(mixture)]
+    bad = [f"data.mixture[{i}].name={n!r} is not a metric name (letters, digits, _ . -): e.g. "
+           f"data.mixture[{i}].name=web" for i, n in enumerate(names) if not NAME.fullmatch(n)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    return bad + ([f"data.mixture names {twice} more than one corpus: give each its own "
+                   "name"] if twice else [])
+
+
+def stage_problems(stages, names: list[str] | None) -> list[str]:
+    """data.stages: steps increasing, weights ≥ 0 with a positive sum, corpora known (`names`;
+    None: not known before the prepared data is read)."""
+    errs, last = [], 0
+    for k, stage in enumerate(stages):
+        key = f"data.stages[{k}]"
+        if stage.until_step <= last:
+            after = f"data.stages[{k - 1}].until_step={last}" if k else "0"
+            errs.append(f"{key}.until_step={stage.until_step} must be > {after}: stages run "
+                        "in order, each until its step")
+        last = max(last, stage.until_step)
+        weights = list(stage.mixture.values())
+        if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w)
+                   and w >= 0 for w in weights) or not sum(weights) > 0:
+            errs.append(f"{key}.mixture={dict(stage.mixture)} needs weights ≥ 0 with a "
+                        f"positive sum: e.g. {key}.mixture={{{(names or ['web'])[0]}: 1}}")
+        unknown = sorted(set(stage.mixture) - set(names)) if names is not None else []
+        if unknown:
+            errs.append(f"{key}.mixture names {unknown}, not corpora of data.mixture "
+                        f"({names})")
+    return errs
 
 
 def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
@@ -122,13 +163,20 @@ def check_format(c: Config) -> list[str]:
     d = c.data
     if d.source != "files":
         return []
+    views = [(f"data.mixture[{i}].format" if m.format else "data.format", corpus_view(d, m))
+             for i, m in enumerate(d.mixture)]
+    views += [("data.format", d)] if not d.mixture or d.val_paths else []
+    return list(dict.fromkeys(e for key, view in views for e in _format_problems(key, view)))
+
+
+def _format_problems(key: str, d) -> list[str]:
     need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
     if d.format == "jsonl" and any(p.name.endswith(".zst")
                                    for p in prep.source_files(d) + prep.val_files(d)):
         need.append("zstandard")
     missing = [m for m in need if not _installed(m)]
     extra = "pip install 'hpctrain[hf]'" if d.format == "hf" else EXTRA
-    return [f"data.format={d.format} needs {', '.join(missing)}: {extra}"] if missing else []
+    return [f"{key}={d.format} needs {', '.join(missing)}: {extra}"] if missing else []
 
 
 def _installed(module: str) -> bool:
@@ -153,7 +201,7 @@ def check_tokenizer(c: Config) -> list[str]:
     return []
 
 
-def _token_dir_problems(paths: tuple[str, ...]) -> list[str]:
+def _token_dir_problems(paths: tuple[str, ...], *, stages=()) -> list[str]:
     if len(paths) != 1:
         return [f"data.source=tokens reads one prepared directory but data.paths has "
                 f"{len(paths)}: give one (data.paths=[<dir with {', '.join(TOKEN_FILES)}>])"]
@@ -167,7 +215,11 @@ def _token_dir_problems(paths: tuple[str, ...]) -> list[str]:
         what = f"lacks {', '.join(missing)}" if missing else "has an unreadable meta.json"
         return [f"data.paths={paths[0]} (data.source=tokens) {what}: give a directory written "
                 "by hpctrain's prepare (data.source=files writes one under data.cache_dir)"]
-    return []
+    names = [row.get("name") for row in meta.get("mixture") or []]
+    if stages and not names:
+        return [f"data.stages weighs a mixture's corpora, but {paths[0]} holds one corpus: "
+                "remove data.stages"]
+    return stage_problems(stages, names)
 
 
 def check_cache_dir(c: Config) -> list[str]:
@@ -228,6 +280,24 @@ def check_data_size(c: Config) -> list[str]:
     return [] if counts is None else data_size_problems(c, train=counts[0], val=counts[1])
 
 
+def corpus_size_problems(c: Config, corpora: list[dict]) -> list[str]:
+    """Each corpus of a prepared mixture holds one sample in each of its split ranges: a window
+    of train.seq_len + 1 tokens (batching=rows), one (input, target) pair (batching=tokens)."""
+    need = c.train.seq_len + 1 if c.train.batching == "rows" else 2
+    errs = []
+    for row in corpora:
+        for split, fix in (("train", "give it more data or lower data.val_fraction"),
+                           ("val", "raise data.val_fraction or give data.val_paths")):
+            lo, hi = row.get(split, (0, need))
+            if hi - lo < need:
+                errs.append(f"corpus {row.get('name')!r} holds {hi - lo} tokens in the {split} "
+                            f"split, fewer than one sample needs (train.seq_len="
+                            f"{c.train.seq_len} + 1 = {c.train.seq_len + 1} with "
+                            f"train.batching=rows, 2 with tokens): {fix}, or lower "
+                            "train.seq_len")
+    return errs
+
+
 def check_prepared(c: Config, data_dir: Path) -> None:
     """After `prepare`: ValueError (the usual one message) if the prepared directory is
     damaged, holds ids outside the vocabulary (hpctrain.data.verify) or a split is shorter
@@ -235,7 +305,8 @@ def check_prepared(c: Config, data_dir: Path) -> None:
     errs = check_token_dir(data_dir, vocab_size=c.model.vocab_size, rebuild=_rebuild(c, data_dir))
     if not errs:
         train, val = tokens_of(c, data_dir)
-        errs = data_size_problems(c, train=train, val=val)
+        errs = data_size_problems(c, train=train, val=val) + corpus_size_problems(
+            c, json.loads((data_dir / "meta.json").read_text()).get("mixture") or [])
     if errs:
         raise ValueError(format_problems(errs) + f"\n(prepared data: {data_dir})")
 

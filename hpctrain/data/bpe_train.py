@@ -13,9 +13,10 @@ from hpctrain.data.shards import Input
 BPE_EOD = "<|eod|>"
 
 
-def train_bpe(data: DataConfig, inputs: list[Input], work: Path, *, fmt: str) -> None:
-    """Train a byte-level BPE of data.bpe_vocab_size on the inputs' text (streamed, read as
-    `fmt`) into `work/tokenizer.json` (written whole: through a temp file and a rename)."""
+def train_bpe(data: DataConfig, groups: list[tuple[list[Input], str, str]], work: Path) -> None:
+    """Train a byte-level BPE of data.bpe_vocab_size on the text of the inputs of each group
+    (streamed, read as the group's format and text key: a mixture's corpora) into
+    `work/tokenizer.json` (written whole: through a temp file and a rename)."""
     # Optional (the `data` extra): only data.tokenizer=bpe needs it.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -26,13 +27,17 @@ def train_bpe(data: DataConfig, inputs: list[Input], work: Path, *, fmt: str) ->
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
 
     def texts():
-        for path, start, stop in inputs:
-            for rec in records(Path(path), fmt, text_key=data.text_key, start=start,
-                               stop=stop):
-                if rec.problem is None and rec.text:  # bad records: the shard pass reports
-                    t = rec.text
-                    yield t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+        for inputs, fmt, text_key in groups:
+            yield from _texts(inputs, fmt, text_key)
 
     tok.train_from_iterator(texts(), trainer=trainer)
     tok.save(str(work / "tokenizer.json.tmp"))
     os.replace(work / "tokenizer.json.tmp", work / "tokenizer.json")
+
+
+def _texts(inputs: list[Input], fmt: str, text_key: str):
+    for path, start, stop in inputs:
+        for rec in records(Path(path), fmt, text_key=text_key, start=start, stop=stop):
+            if rec.problem is None and rec.text:  # bad records: the shard pass reports them
+                t = rec.text
+                yield t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t

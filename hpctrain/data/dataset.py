@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hpctrain.data.packing import PackedDocuments
+from hpctrain.data.sources import numbered, split_sources
 from hpctrain.ops.documents import Documents
 
 
@@ -38,10 +39,29 @@ class TokenDataset:
         if self.n_samples < 1:
             raise ValueError(f"{directory}/{split}.bin holds {len(self.tokens)} tokens, fewer "
                              f"than train.seq_len+1={seq_len + 1}: add data or lower seq_len")
+        self.sources = split_sources(meta, split)
+        if self.sources is not None:
+            self.sources = numbered(self.sources, [(s.hi - s.lo - 1) // seq_len
+                                                   for s in self.sources],
+                                    where=f"{directory}/{split}.bin",
+                                    need=f"train.seq_len+1={seq_len + 1} tokens")
+            self.n_samples = sum(s.count for s in self.sources)
+            self._firsts = [s.first for s in self.sources]
+
+    def start(self, index: int) -> int:
+        """The first token of sample `index` (within its corpus's range for a mixture)."""
+        if self.sources is None:
+            return index * self.seq_len
+        s = self.sources[int(np.searchsorted(self._firsts, index, side="right")) - 1]
+        return s.lo + (index - s.first) * self.seq_len
 
     def sample(self, index: int) -> np.ndarray:
-        start = index * self.seq_len
+        start = self.start(index)
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+    def real_tokens(self, index: int) -> int:
+        """Targets of sample `index` that count in the loss (a window has no padding)."""
+        return self.seq_len
 
     def rows(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
         """inputs_BL, targets_BL and their documents (None without packing)."""
@@ -57,7 +77,8 @@ def open_split(directory: Path, split: str, *, seq_len: int, packing: str, batch
     if batching == "rows":
         return ds
     return PackedDocuments(directory, split, seq_len=seq_len, tokens=ds.tokens, eod=ds.eod,
-                           count=ds.documents)
+                           count=ds.documents, sources=split_sources(
+                               json.loads((directory / "meta.json").read_text()), split))
 
 
 @lru_cache(maxsize=4)

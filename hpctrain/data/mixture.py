@@ -1,14 +1,13 @@
 """Which tokens make up each split (the plans `hpctrain.data.assemble` writes), for one corpus
-or a weighted mixture of corpora (data.mixture).
+or a mixture of corpora (data.mixture).
 
 Mixture: corpus i (a `Stream` of T_i tokens) keeps its last val_fraction for the val split (at
 least one token; none when data.val_paths gives the val split), cut back to a document end so no
-document straddles; the rest, L_i tokens, is its train part. With W = Σ weights and
-L = Σ L_i, corpus i contributes t_i = round(w_i / W · L) train tokens: its train part k_i =
-⌊t_i / L_i⌋ times, then its first whole documents up to t_i − k_i·L_i tokens. The train split
-keeps about L tokens, in the weights' proportions (up to one document per corpus); the
-sampler then draws windows from all of it at random, so corpora mix in every batch. A pure
-function of the data and the weights: the same mixture gives the same bytes.
+document straddles; the rest is its train part. The train split is the corpora's train parts
+one after the other, each once, and the val split their val parts; meta.json records each
+corpus's token range [lo, hi) in both. The weights are not part of the prepared data: the
+sampler draws each sample's corpus by a seeded schedule (hpctrain.data.schedule), so other
+weights or stages reuse the same files.
 """
 
 from __future__ import annotations
@@ -32,11 +31,13 @@ def _doc_cut(ends: np.ndarray, limit: int) -> int:
     return int(ends[k - 1]) + 1 if k else 0
 
 
-def mixture_plan(streams: list[Stream], weights: list[float], *, val_fraction: float,
-                 val: Stream | None = None) -> tuple[dict[str, list[Segment]], list[dict]]:
-    """The plan of a mixture (module doc) and, per corpus, its tokens, train tokens written
-    and share of the train split. ValueError when a corpus has no train tokens."""
-    parts, val_segments = [], []
+def mixture_plan(streams: list[Stream], *, val_fraction: float, val: Stream | None = None
+                 ) -> tuple[dict[str, list[Segment]], list[dict]]:
+    """The plan of a mixture (module doc) and, per corpus, its tokens and its ranges in the
+    splits ("train": [lo, hi), and "val" unless `val` is given). ValueError when a corpus has
+    no train tokens."""
+    train, val_segments, report = [], [], []
+    at = {"train": 0, "val": 0}
     for i, s in enumerate(streams):
         ends, total = s.ends(), s.tokens
         n_val = 0 if val is not None else min(total, max(1, int(total * val_fraction)))
@@ -44,19 +45,12 @@ def mixture_plan(streams: list[Stream], weights: list[float], *, val_fraction: f
         if cut <= 0:
             raise ValueError(f"data.mixture[{i}] holds {total} tokens, none left for training "
                              "after its val part: add data to it or remove it")
-        parts.append((s, ends, cut))
+        train.append((s, 0, cut))
+        row = {"tokens": total, "train": [at["train"], at["train"] + cut]}
+        at["train"] += cut
         if val is None:
             val_segments.append((s, cut, total))
-    total_train, weight_sum = sum(cut for _, _, cut in parts), sum(weights)
-    train, report = [], []
-    for (s, ends, cut), w in zip(parts, weights, strict=True):
-        target = round(w / weight_sum * total_train)
-        copies, rest = divmod(target, cut)
-        segments = [(s, 0, cut)] * copies + [(s, 0, _doc_cut(ends[ends < cut], rest))]
-        train += [seg for seg in segments if seg[2] > seg[1]]
-        report.append({"weight": w, "tokens": s.tokens, "train_tokens": copies * cut +
-                       segments[-1][2]})
-    written = sum(r["train_tokens"] for r in report)
-    for r in report:
-        r["share"] = r["train_tokens"] / max(written, 1)
+            row["val"] = [at["val"], at["val"] + total - cut]
+            at["val"] += total - cut
+        report.append(row)
     return {"train": train, "val": [(val, 0, val.tokens)] if val else val_segments}, report

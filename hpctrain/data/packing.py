@@ -19,6 +19,10 @@ stages need; its token budget is B·L.
 The document index (offsets of the eod tokens of a split) is `<split>.idx` beside the tokens,
 built once (prepare writes it; an older cache gets it on first use) and verified on load: the
 count must match and every offset must hold the eod token.
+
+A mixture's corpora (hpctrain.data.dataset.Source) are packed apart: a piece belongs to the
+corpus whose range holds its targets, and a row holds one corpus only, so the sampler can pick
+the corpus of every row.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.data.sources import Source, numbered
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 
 log = logging.getLogger(__name__)
@@ -72,9 +77,13 @@ def load_document_index(directory: Path, split: str, tokens: np.ndarray, *, eod:
     return offsets
 
 
-def document_pieces(offsets: np.ndarray, *, n_tokens: int, max_len: int) -> np.ndarray:
-    """(start, length) pair ranges, one per document piece of ≤ max_len pairs (module doc)."""
-    cuts = np.unique(np.concatenate([[0], offsets[offsets < n_tokens - 1], [n_tokens - 1]]))
+def document_pieces(offsets: np.ndarray, *, n_tokens: int, max_len: int,
+                    cuts: tuple[int, ...] = ()) -> np.ndarray:
+    """(start, length) pair ranges, one per document piece of ≤ max_len pairs (module doc);
+    `cuts`: more pair offsets where a piece must end (the ends of a mixture's corpora)."""
+    extra = np.asarray([c for c in cuts if 0 < c < n_tokens - 1], dtype=np.int64)
+    cuts = np.unique(np.concatenate([[0], offsets[offsets < n_tokens - 1], extra,
+                                     [n_tokens - 1]]))
     starts, lengths = [], []
     for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
         for s in range(a, b, max_len):
@@ -110,17 +119,32 @@ class PackedDocuments:
     Same interface as `TokenDataset` for the sampler: `n_samples` rows, `rows(indices)`."""
 
     def __init__(self, directory: Path, split: str, *, seq_len: int, tokens: np.ndarray,
-                 eod: int, count: int | None = None):
+                 eod: int, count: int | None = None, sources: list[Source] | None = None):
         self.tokens, self.eod, self.seq_len = tokens, eod, seq_len
         offsets = load_document_index(directory, split, tokens, eod=eod, count=count)
-        self.pieces = document_pieces(offsets, n_tokens=len(tokens), max_len=seq_len)
-        self.packed = pack_rows(self.pieces[:, 1], row_len=seq_len)
+        ends = tuple(s.hi - 1 for s in sources or [])  # a corpus's last pair ends at hi − 2
+        self.pieces = document_pieces(offsets, n_tokens=len(tokens), max_len=seq_len, cuts=ends)
+        groups = [np.arange(len(self.pieces))]
+        if sources:  # piece → the corpus holding its targets [start+1, start+length]
+            owner = np.searchsorted(np.asarray(ends), self.pieces[:, 0], side="right")
+            groups = [np.flatnonzero(owner == i) for i in range(len(sources))]
+        self.packed, counts = [], []
+        for group in groups:
+            rows = pack_rows(self.pieces[group, 1], row_len=seq_len)
+            self.packed += [[int(group[k]) for k in row] for row in rows]
+            counts.append(len(rows))
+        self.sources = sources and numbered(sources, counts, where=f"{directory}/{split}.bin",
+                                            need="a row of documents")
         self.n_samples = len(self.packed)
         if self.n_samples < 1:
             raise ValueError(f"{directory}/{split}.bin holds {len(tokens)} tokens: too few for "
                              f"one row of documents; add data or lower data.val_fraction")
         real = int(self.pieces[:, 1].sum())
         self.padding_fraction = 1.0 - real / (self.n_samples * seq_len)
+
+    def real_tokens(self, index: int) -> int:
+        """Targets of row `index` that count in the loss (its pieces; padding does not)."""
+        return int(self.pieces[self.packed[index], 1].sum())
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """inputs_L, targets_L, document ids_L of packed row `index`."""

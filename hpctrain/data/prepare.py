@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpctrain.config import DataConfig
+from hpctrain.config import DataConfig, corpus_name, corpus_view
 from hpctrain.data.assemble import Stream, assemble
 from hpctrain.data.bpe_train import BPE_EOD, train_bpe
 from hpctrain.data.mixture import mixture_plan, single_plan
@@ -58,7 +58,7 @@ def source_files(data: DataConfig) -> list[Path]:
             total += f.stat().st_size
         return files
     if data.mixture:
-        return [f for corpus in data.mixture for f in list_inputs(corpus.paths, data.format)]
+        return [f for c in data.mixture for f in list_inputs(c.paths, corpus_view(data, c).format)]
     return list_inputs(data.paths, data.format)
 
 
@@ -146,7 +146,9 @@ def _cache_key(data: DataConfig, files: list[Path]) -> str:
              data.tokenizer, data.bos_token, data.eod_token, data.val_fraction, data.shard_bytes]
     parts += [data.bpe_vocab_size] if data.tokenizer == "bpe" else []
     parts += [data.max_bytes] if data.source == "stdlib" else []
-    parts += [data.mixture] if data.mixture else []  # its paths and weights
+    # the corpora's paths and names: their weights and data.stages pick samples at run time
+    parts += [[(corpus_name(c, i), c.paths, c.format, c.text_key)
+               for i, c in enumerate(data.mixture)]] if data.mixture else []
     parts += [load(spec).sha256] if spec.path else []
     for part in parts:
         h.update(repr(part).encode())
@@ -221,14 +223,17 @@ def _build(data: DataConfig, files: list[Path], out: Path, *, share: tuple[int, 
         await_progress(lambda: (work / "tokenizer.json").exists(), timeout_s,
                what=f"task 0 training the bpe tokenizer in {work}", progress=task0_alive(out))
     elif data.tokenizer == "bpe" and not (work / "tokenizer.json").exists():
-        train_bpe(data, inputs, work, fmt=input_format(data))
+        n = len(data.mixture) or 1  # the train groups: never the val files
+        train_bpe(data, [(group, input_format(view), view.text_key) for group, view in
+                         zip(_input_groups(data, inputs)[:n], _group_views(data)[:n],
+                             strict=True)], work)
     spec = tokenizer_spec(data, work)
     encoder = load(spec)
     dtype = "uint16" if encoder.vocab_size <= 65536 else "uint32"
     groups = _input_groups(data, inputs)  # one per corpus, then the val files (if any)
     units: list[list[Unit]] = []
-    for group in groups:
-        units.append(_units(data, group, work / "shards", spec, dtype,
+    for group, view in zip(groups, _group_views(data), strict=True):
+        units.append(_units(view, group, work / "shards", spec, dtype,
                             first=sum(map(len, units))))
     start, every = time.monotonic(), [u for g in units for u in g]
     if tasks > 1:
@@ -263,21 +268,26 @@ def _input_groups(data: DataConfig, inputs: list[Input]) -> list[list[Input]]:
     """The inputs as streams: each corpus of data.mixture (or all inputs), then data.val_paths."""
     groups = [inputs]
     if data.mixture:
-        groups = [[(str(f), 0, None) for f in list_inputs(c.paths, data.format)]
+        groups = [[(str(f), 0, None) for f in list_inputs(c.paths, corpus_view(data, c).format)]
                   for c in data.mixture]
     if data.val_paths:
         groups.append([(str(f), 0, None) for f in val_files(data)])
     return groups
 
 
+def _group_views(data: DataConfig) -> list[DataConfig]:
+    """How each of `_input_groups` is read: each corpus as its own format and text key."""
+    views = [corpus_view(data, c) for c in data.mixture] or [data]
+    return views + ([data] if data.val_paths else [])
+
+
 def _plan(data: DataConfig, streams: list[Stream]) -> tuple[dict, dict]:
     """The splits' segments (hpctrain.data.mixture) and what meta.json reports of them."""
     val = streams.pop() if data.val_paths else None
     if data.mixture:
-        plan, corpora = mixture_plan(streams, [c.weight for c in data.mixture],
-                                     val_fraction=data.val_fraction, val=val)
-        for corpus, row in zip(data.mixture, corpora, strict=True):
-            row["paths"] = list(corpus.paths)
+        plan, corpora = mixture_plan(streams, val_fraction=data.val_fraction, val=val)
+        for i, (corpus, row) in enumerate(zip(data.mixture, corpora, strict=True)):
+            row.update(name=corpus_name(corpus, i), paths=list(corpus.paths))
         return plan, {"mixture": corpora}
     n_train = split_sizes(streams[0].tokens, data.val_fraction)[0]
     return single_plan(streams[0], n_train=n_train, val=val), {}

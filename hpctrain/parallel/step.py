@@ -37,11 +37,18 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
-def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, *,
+            per_token: list | None = None) -> torch.Tensor:
     """Mean next-token cross entropy over the tokens whose target is not IGNORE_INDEX
     (padding), computed in fp32; 0 (with a graph) when every target is padding, e.g. a
     context-parallel shard of a padded row, which then adds nothing to the step's mean.
-    Bit-identical to F.cross_entropy's mean otherwise (the same sum and division)."""
+    Bit-identical to F.cross_entropy's mean otherwise (the same sum and division).
+    `per_token`: a list that gets each token's loss_BL too (detached, 0 on padding)."""
+    if per_token is not None:
+        with torch.no_grad():
+            per_token.append(F.cross_entropy(logits_BLV.detach().flatten(0, 1).float(),
+                                              targets_BL.flatten(), reduction="none",
+                                              ignore_index=IGNORE_INDEX).view_as(targets_BL))
     targets_T = targets_BL.flatten()
     real = (targets_T != IGNORE_INDEX).sum().clamp(min=1)
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_T, reduction="sum") / real

@@ -1,13 +1,18 @@
-"""What a run leaves behind on the logging rank: loggers, the final summary, the plot."""
+"""What a run leaves behind on the logging rank: loggers, the final summary, the plot; and the
+profiler's traces (train.profile) on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpctrain.config import Config
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from hpctrain.config import Config, TrainConfig
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
 from hpctrain.metrics.redact import Secrets
@@ -74,3 +79,21 @@ def summarize(history: list[dict[str, Any]], *, cfg: Config, run_dir: Path,
         **parameter_counts(cfg.model),  # total, and active per token for experts
         **extra,
     }
+
+
+@contextlib.contextmanager
+def step_profiler(t: TrainConfig, *, run_dir: Path, rank: int, device: torch.device):
+    """train.profile: torch's profiler over train.profile_steps steps (after 1 wait and 1
+    warm-up), its Chrome trace in <run>/profile/trace_rank<r>.json; else None."""
+    if not t.profile:
+        yield None
+        return
+    out = run_dir / "profile" / f"trace_rank{rank}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities,
+                 schedule=schedule(wait=1, warmup=1, active=t.profile_steps),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        yield prof

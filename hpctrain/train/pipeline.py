@@ -38,7 +38,7 @@ import torch.distributed as dist
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.parallel.data.engine import DataParallel
-from hpctrain.parallel.pipeline.actions import Action, Schedule
+from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.stage import LocalStages
@@ -85,6 +85,23 @@ class PipelineEngine:
     @property
     def holds_loss(self) -> bool:
         return self.schedule.n_stages - 1 in self.local.parts
+
+    def loss_order(self) -> list[int]:
+        """The microbatches in the order this rank computes their loss (the last stage's F
+        actions; [] on a rank without the last stage)."""
+        last = self.schedule.n_stages - 1
+        return [a.microbatch for a in self.schedule.actions[self.pp_rank]
+                if a.kind == ActionKind.F and a.stage == last]
+
+    @property
+    def loss_fn(self) -> Callable:
+        """The last stage's loss (logits, targets → mean loss); settable, so the trainer can
+        wrap it (hpctrain.train.source_loss)."""
+        return self.runtime.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Callable) -> None:
+        self.runtime.loss_fn = fn
 
     def train_step(self, engine: DataParallel, micro_batches, *, scaler: LossScaler,
                    grad_clip: float) -> tuple[StepResult, dict[str, float]]:

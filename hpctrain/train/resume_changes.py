@@ -28,7 +28,8 @@ GROUPS = ("optim", "train", "data")
 INEXACT = {
     "data.source", "data.paths", "data.val_paths", "data.format", "data.text_key",
     "data.tokenizer", "data.tokenizer_path", "data.bos_token", "data.eod_token",
-    "data.bpe_vocab_size", "data.max_bytes", "data.val_fraction", "data.mixture", "data.packing",
+    "data.bpe_vocab_size", "data.max_bytes", "data.val_fraction", "data.mixture", "data.stages",
+    "data.packing",
     "data.on_bad_record", "train.seed", "train.seq_len", "train.batching",
 }
 # Keys that say how this invocation runs, not what it trains: never reported.
@@ -41,11 +42,21 @@ def recorded(cfg: Config) -> dict[str, Any]:
     return {g: dataclasses.asdict(getattr(cfg, g)) for g in GROUPS}
 
 
+def _plain(value: Any) -> Any:
+    """`value` as train_state.json gives it back: tuples (also nested, data.mixture's paths)
+    are lists."""
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def _flat(groups: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for group, values in groups.items():
         for key, value in (values or {}).items():
-            out[f"{group}.{key}"] = list(value) if isinstance(value, tuple) else value
+            out[f"{group}.{key}"] = _plain(value)
     return out
 
 

@@ -26,13 +26,15 @@ from hpctrain.parallel.tensor import (
 
 def step_loss(plan: TensorParallelPlan | None) -> Callable[[torch.Tensor, torch.Tensor],
                                                           torch.Tensor]:
-    """logits, targets → mean loss: the cross entropy, over the vocab shards under tp."""
+    """logits, targets → mean loss: the cross entropy, over the vocab shards under tp
+    (`per_token=`: a list that gets each token's loss too)."""
     if plan is None:
         return lm_loss
 
-    def loss_fn(logits_BLv: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logits_BLv: torch.Tensor, targets_BL: torch.Tensor, *,
+                per_token: list | None = None) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits_BLv, targets_BL, group=plan.group,
-                                            counter=plan.counter)
+                                            counter=plan.counter, per_token=per_token)
 
     return loss_fn
 

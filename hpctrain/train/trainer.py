@@ -8,7 +8,6 @@ changes (weights, optimizer state, RNG, loss scale) is in the checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -17,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
 
 from hpctrain.config import Config
-from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
@@ -36,13 +33,21 @@ from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import continuation, nonfinite, resume_changes
 from hpctrain.train.checkpointer import Checkpointer, save_metrics
 from hpctrain.train.ckpt_writer import Retention
-from hpctrain.train.eval_set import eval_indices
 from hpctrain.train.exports import Exporter
+from hpctrain.train.feed import Feed
 from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.outputs import NoPrediction, Prediction, make_loggers, never_stop, summarize
+from hpctrain.train.outputs import (
+    NoPrediction,
+    Prediction,
+    make_loggers,
+    never_stop,
+    step_profiler,
+    summarize,
+)
 from hpctrain.train.phases import build_note, first_step_note
 from hpctrain.train.setup import build_parallel_state
+from hpctrain.train.source_loss import train_loss_hooks
 from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
 
 log = logging.getLogger(__name__)
@@ -72,12 +77,11 @@ class Trainer:
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
         self.activations = ActivationMeter(self.model.parameters())  # saved-for-backward bytes
         self.scaler = LossScaler(enabled=t.precision == "fp16")
-        data_dir = prepare(cfg.data)
-        kw = dict(seq_len=t.seq_len, packing=cfg.data.packing, batching=t.batching)
-        self.train_ds = open_split(data_dir, "train", **kw)
-        self.val_ds = open_split(data_dir, "val", **kw)
-        self.sampler = Sampler(self.train_ds.n_samples, seed=t.seed, dp=cfg.parallel.dp,
-                               global_batch=t.global_batch_size, micro_batch=t.micro_batch_size)
+        # the splits and sampler (hpctrain.train.feed): a mixture's corpora each their own
+        self.feed = Feed(cfg, prepare(cfg.data), dp_rank=mesh.coord("dp"))
+        self.source_loss, self.train_hooks = train_loss_hooks(  # a mixture's loss_<name>
+            [src.name for src in self.feed.sources], tp_hooks=self.tp_hooks,
+            pipeline=self.pipeline, device=mesh.device)
         self.peak = peak_bf16_flops(device_name(mesh.device)) if mesh.is_logging_rank else None
         # The recent steps' records only (summary medians, the last loss): nothing per step
         # grows for the whole run; `steps_run` counts them all.
@@ -94,20 +98,8 @@ class Trainer:
                                          retention=Retention(t.keep, t.keep_every))
         self.exporter = Exporter(self.run_dir, every=t.export_every if mesh.is_logging_rank else 0)
 
-    # -- batches ---------------------------------------------------------------------------
-    def micro_batches(self, step: int):
-        dp_rank = self.mesh.coord("dp")
-        for micro in range(self.cfg.grad_accum):
-            yield self.train_ds.rows(self.sampler.indices(step + self.data_offset,
-                                                          dp_rank=dp_rank, micro=micro))
-
-    def eval_batches(self):
-        """This dp rank's share of the fixed evaluation set (hpctrain.train.eval_set)."""
-        t = self.cfg.train
-        for indices in eval_indices(self.val_ds.n_samples, samples=t.eval_samples,
-                                    dp=self.cfg.parallel.dp, dp_rank=self.mesh.coord("dp"),
-                                    micro_batch=t.micro_batch_size):
-            yield self.val_ds.rows(indices)
+    def micro_batches(self, step: int) -> list:
+        return self.feed.micro_batches(step + self.data_offset)[0]
 
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
@@ -174,7 +166,11 @@ class Trainer:
         take_comm_bytes(self.parallel.tp_plan)  # drop what eval sent since the last step
         take_cp_bytes(self.parallel.cp_comm)
         drop_moe_metrics(self.model)
-        micro = list(self.micro_batches(step))
+        micro, sources = self.feed.micro_batches(step + self.data_offset)
+        if self.source_loss is not None:
+            self.source_loss.begin(sources, order=self.pipeline and self.pipeline.loss_order())
+        data_metrics = self.feed.step_metrics(step + self.data_offset) if (
+            self.mesh.is_logging_rank) else {}
         t0 = time.perf_counter()
         self.activations.reset()
         with self.activations:
@@ -184,7 +180,10 @@ class Trainer:
                 result, step_extra = self.dp.train_step(
                     shard_batches(micro, group=self.mesh.group("cp")), n_micro=cfg.grad_accum,
                     precision=cfg.train.precision, scaler=self.scaler,
-                    grad_clip=cfg.train.grad_clip, **self.tp_hooks), {}
+                    grad_clip=cfg.train.grad_clip, **self.train_hooks), {}
+        if self.source_loss is not None:
+            step_extra.update(self.source_loss.take(batch_group=self.mesh.dp_cp,
+                                                    pp_group=self.mesh.group("pp")))
         dt = time.perf_counter() - t0
         step_extra = {**step_extra, "mem_activation_bytes": self.activations.peak_bytes}
         self.step += 1
@@ -194,7 +193,7 @@ class Trainer:
                 **take_cp_bytes(self.parallel.cp_comm),
                 **(moe_metrics(self.model, group=self.mesh.group("dp"), device=self.mesh.device,
                                pp_group=self.mesh.group("pp")) if cfg.model.moe.enabled else {}),
-                **step_extra}
+                **step_extra, **data_metrics}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:
         """Real tokens/s and MFU of the global batch (padding not counted, attention FLOPs
@@ -237,7 +236,8 @@ class Trainer:
             log.info("%s", first_step_note(self.cfg, device_type=self.mesh.device.type,
                                            start=self.step))
         extra: dict[str, Any] = {}
-        with self._profiler() as prof:
+        with step_profiler(self.cfg.train, run_dir=self.run_dir, rank=self.mesh.rank,
+                           device=self.mesh.device) as prof:
             while self.step < t.steps:
                 self.mesh.heartbeat.step(self.step)  # the hang watchdog times each step
                 with self.compile_watch.step():
@@ -345,11 +345,7 @@ class Trainer:
     def _after_step(self, metrics, loggers, progress, extra) -> None:
         t, step = self.cfg.train, self.step
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            batches = shard_batches(self.eval_batches(), group=self.mesh.group("cp"))
-            metrics["eval_loss"] = (
-                self.pipeline.eval_loss(batches) if self.pipeline is not None else
-                eval_loss(self.model, batches, precision=t.precision, dp_group=self.mesh.dp_cp,
-                          **self.tp_hooks))
+            metrics.update(self._evaluate())
             extra["final_eval_loss"] = metrics["eval_loss"]
         self.checkpointer.poll()  # a background save that ended: sealed, or its error raised
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
@@ -365,6 +361,18 @@ class Trainer:
             loggers.log(step, {**metrics, **save_metrics(saves), **self.memory_metrics(),
                                **self.prediction.once()})
 
+    def _evaluate(self) -> dict[str, float]:
+        """eval_loss over the fixed evaluation set; for a mixture, `eval_loss_<name>` of each
+        corpus and eval_loss their mean (hpctrain.train.feed)."""
+        out = {}
+        for name, batches in self.feed.eval_sets():
+            batches = shard_batches(batches, group=self.mesh.group("cp"))
+            out[f"eval_loss_{name}" if name else "eval_loss"] = (
+                self.pipeline.eval_loss(batches) if self.pipeline is not None else
+                eval_loss(self.model, batches, precision=self.cfg.train.precision,
+                          dp_group=self.mesh.dp_cp, **self.tp_hooks))
+        return out if "eval_loss" in out else {"eval_loss": sum(out.values()) / len(out), **out}
+
     def _finish(self, loggers, extra: dict[str, Any]) -> dict[str, Any]:
         mem = self.memory_metrics()
         extra.update(peak_memory_bytes=mem["mem_bytes"], device=device_name(self.mesh.device),
@@ -379,19 +387,3 @@ class Trainer:
         loggers.summary(summary)
         loggers.close()  # the CLI prints the summary last (hpctrain.cli.format_summary)
         return summary
-
-    @contextlib.contextmanager
-    def _profiler(self):
-        if not self.cfg.train.profile:
-            yield None
-            return
-        out = self.run_dir / "profile" / f"trace_rank{self.mesh.rank}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        activities = [ProfilerActivity.CPU]
-        if self.mesh.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities,
-                     schedule=schedule(wait=1, warmup=1, active=self.cfg.train.profile_steps),
-                     on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
-            yield prof
-

@@ -149,26 +149,48 @@ def test_val_paths_are_the_val_split(tmp_path):
     assert again != out and all_tokens(again)[0] == framed("t1", "t2", "v2 changed")
 
 
-def test_mixture_weights_repeat_or_cut_whole_documents(tmp_path):
-    """a: 10 documents of 5 tokens, b: 10 of 10; val_fraction 0.1 keeps 5 and 10 tokens back
-    (train parts 45 and 90, L = 135). Weights 2:1 ask 90 and 45 train tokens: a twice, b's
-    first 4 whole documents (40 tokens)."""
+def test_mixture_writes_each_corpus_once_with_its_ranges_and_the_weights_reuse_it(tmp_path):
+    """a: 10 documents of 5 tokens, b: 10 of 10; val_fraction 0.1 keeps each corpus's last
+    document back. The train split is a's train part then b's, once each; meta.json records
+    their ranges. The weights are drawn at run time: other weights give the same directory."""
     (tmp_path / "a.jsonl").write_bytes(jsonl_lines(*[{"text": "aaaa"}] * 10))
     (tmp_path / "b.jsonl").write_bytes(jsonl_lines(*[{"text": "b" * 9}] * 10))
-    mixture = (Corpus(paths=(str(tmp_path / "a.jsonl"),), weight=2.0),
+    mixture = (Corpus(paths=(str(tmp_path / "a.jsonl"),), weight=2.0, name="a"),
                Corpus(paths=(str(tmp_path / "b.jsonl"),), weight=1.0))
     out = prepare(data_config(tmp_path, [], format="jsonl", mixture=mixture))
     meta = json.loads((out / "meta.json").read_text())
     split = {s: np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist()
              for s in ("train", "val")}
-    assert split["train"] == framed(*["aaaa"] * 18, *["b" * 9] * 4)
+    assert split["train"] == framed(*["aaaa"] * 9, *["b" * 9] * 9)
     assert split["val"] == framed("aaaa", "b" * 9)
-    assert [(m["train_tokens"], round(m["share"], 4)) for m in meta["mixture"]] == [
-        (90, round(90 / 130, 4)), (40, round(40 / 130, 4))]
-    assert (meta["train_documents"], meta["val_documents"]) == (22, 2)
+    assert [(m["name"], m["tokens"], m["train"], m["val"]) for m in meta["mixture"]] == [
+        ("a", 50, [0, 45], [0, 5]), ("corpus1", 100, [45, 135], [5, 15])]
+    assert (meta["train_documents"], meta["val_documents"]) == (18, 2)
     idx = np.fromfile(out / "train.idx", dtype=np.int64)
     assert idx.tolist() == np.flatnonzero(np.array(split["train"]) == BYTE_EOD).tolist()
-    even = (Corpus(paths=mixture[0].paths, weight=1.0), mixture[1])
-    again = prepare(data_config(tmp_path, [], format="jsonl", mixture=even))  # other weights
-    assert again != out and json.loads((again / "meta.json").read_text())["mixture"][0][
-        "train_tokens"] == 65  # round(135 / 2) = 68: a once (45), then 4 whole documents (20)
+    even = (Corpus(paths=mixture[0].paths, weight=1.0, name="a"), mixture[1])
+    assert prepare(data_config(tmp_path, [], format="jsonl", mixture=even)) == out
+    renamed = (mixture[0], Corpus(paths=mixture[1].paths, weight=1.0, name="b"))
+    assert prepare(data_config(tmp_path, [], format="jsonl", mixture=renamed)) != out
+
+
+def test_each_corpus_is_read_in_its_own_format_and_text_key(tmp_path):
+    """data.format=jsonl; corpus a overrides the text key, corpus b is text files; a bpe
+    tokenizer trains on both (their documents, not their JSON)."""
+    (tmp_path / "a.jsonl").write_bytes(jsonl_lines(*[{"content": f"alpha{i}"}
+                                                     for i in range(10)]))
+    (tmp_path / "b").mkdir()
+    for i in range(10):
+        (tmp_path / "b" / f"{i}.txt").write_text(f"beta{i}")
+    mixture = (Corpus(paths=(str(tmp_path / "a.jsonl"),), weight=1.0, name="a",
+                      text_key="content"),
+               Corpus(paths=(str(tmp_path / "b"),), weight=1.0, name="b", format="text"))
+    out = prepare(data_config(tmp_path, [], format="jsonl", mixture=mixture))
+    tokens, _ = all_tokens(out)
+    docs = [f"alpha{i}" for i in range(9)] + [f"beta{i}" for i in range(9)] + ["alpha9", "beta9"]
+    assert tokens == framed(*docs)
+    bpe = prepare(data_config(tmp_path, [], format="jsonl", mixture=mixture, tokenizer="bpe",
+                              bpe_vocab_size=300))
+    vocab = json.loads((bpe / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"alpha", "beta"} <= vocab.keys()  # merged from both corpora's documents
+    assert not any("{" in k or "content" in k for k in vocab if len(k) > 1)  # never the JSON

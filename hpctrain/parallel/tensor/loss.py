@@ -22,7 +22,7 @@ from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size, all_reduce
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_Tv, targets_T, group, counter):
+    def forward(ctx, logits_Tv, targets_T, group, counter, per_token):
         dtype = torch.promote_types(logits_Tv.dtype, torch.float32)
         z_Tv = logits_Tv.to(dtype)
         v = z_Tv.shape[-1]
@@ -37,7 +37,10 @@ class _VocabParallelCE(torch.autograd.Function):
                              counter=counter)
         sum_T, target_T = sums_2T[0], sums_2T[1]
         valid_T = (targets_T != IGNORE_INDEX).to(dtype)
-        loss = ((torch.log(sum_T) - (target_T - m_T)) * valid_T).sum() / valid_T.sum().clamp(min=1)
+        token_T = (torch.log(sum_T) - (target_T - m_T)) * valid_T
+        if per_token is not None:
+            per_token.append(token_T.detach().clone())
+        loss = token_T.sum() / valid_T.sum().clamp(min=1)
         ctx.save_for_backward(exp_Tv, sum_T, local_T, mine_T, valid_T)
         ctx.logits_dtype = logits_Tv.dtype
         return loss
@@ -48,18 +51,31 @@ class _VocabParallelCE(torch.autograd.Function):
         g_Tv = exp_Tv / sum_T.unsqueeze(-1)
         g_Tv.scatter_add_(-1, local_T.unsqueeze(-1), -mine_T.to(g_Tv.dtype).unsqueeze(-1))
         g_Tv *= (grad / valid_T.sum().clamp(min=1)) * valid_T.unsqueeze(-1)
-        return g_Tv.to(ctx.logits_dtype), None, None, None
+        return g_Tv.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_BLv: torch.Tensor, targets_BL: torch.Tensor, *, group,
-                                 counter: CommCounter | None = None) -> torch.Tensor:
+                                 counter: CommCounter | None = None,
+                                 per_token: list | None = None) -> torch.Tensor:
     """Mean next-token cross entropy from this rank's vocabulary shard of the logits.
 
-    Equals F.cross_entropy(gather(logits), targets) but communicates 3·T numbers, not T·V."""
+    Equals F.cross_entropy(gather(logits), targets) but communicates 3·T numbers, not T·V.
+    `per_token`: a list that gets each token's loss_BL too (detached, 0 on padding; the same
+    on every rank of `group`)."""
     if _size(group) == 1:
+        if per_token is not None:
+            with torch.no_grad():
+                per_token.append(torch.nn.functional.cross_entropy(
+                    logits_BLv.detach().flatten(0, 1).float(), targets_BL.flatten(),
+                    reduction="none", ignore_index=IGNORE_INDEX).view_as(targets_BL))
         dtype = torch.promote_types(logits_BLv.dtype, torch.float32)
         targets_T = targets_BL.flatten()
         real = (targets_T != IGNORE_INDEX).sum().clamp(min=1)  # all padding: 0, as lm_loss
         return torch.nn.functional.cross_entropy(logits_BLv.flatten(0, 1).to(dtype), targets_T,
                                                  reduction="sum") / real
-    return _VocabParallelCE.apply(logits_BLv.flatten(0, 1), targets_BL.flatten(), group, counter)
+    out: list = []
+    loss = _VocabParallelCE.apply(logits_BLv.flatten(0, 1), targets_BL.flatten(), group, counter,
+                                  out if per_token is not None else None)
+    if per_token is not None:
+        per_token.append(out[0].view_as(targets_BL))
+    return loss
