@@ -4,12 +4,12 @@ Expert-parallel ranks are ep consecutive ranks of the dp group (hpctrain.distrib
 so ep must divide dp and the expert count. With tp the dense layers are tensor-parallel and
 the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), which
 needs the replicated sequence (sp=false). With pp the MoE blocks live inside the stages and
-each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime). Activation
-checkpointing composes: selective recomputes only attention cores, and full's recomputation
-of a block in backward neither adds its router losses again nor counts its routing twice
-(hpctrain.models.moe `in_backward`); full with ep > 1 (the all-to-alls rerun in backward) is
-not tested yet. What is not built yet with experts (cp, sp, full recompute with ep) is refused
-here, naming the fix, never run silently wrong.
+each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime); tp × pp composes
+the two. Activation checkpointing composes: selective recomputes only attention cores, and
+full's recomputation of a block in backward neither adds its router losses again nor counts
+its routing twice (hpctrain.models.moe `in_backward`); with ep > 1 it reruns the block's
+all-to-alls in backward, on every ep rank in the same order. What is not built yet with
+experts (cp, sp, compile) is refused here, naming the fix, never run silently wrong.
 """
 
 from __future__ import annotations
@@ -43,18 +43,10 @@ def check_moe(c: Config) -> list[str]:
         errs.append(f"parallel.cp={p.cp} with model.moe.num_experts={m.num_experts} is not "
                     "implemented yet in this version of hpctrain: set parallel.cp=1 (experts "
                     "compose with dp, ZeRO 0-3, tp without sp, pp and parallel.ep)")
-    if p.tp > 1 and p.pp > 1:  # stages sharded over tp with routed experts: not tested yet
-        errs.append(f"parallel.tp={p.tp} with parallel.pp={p.pp} and model.moe.num_experts="
-                    f"{m.num_experts} is not implemented yet (experts compose with tp or with "
-                    "pp, each tested alone): set parallel.tp=1 or parallel.pp=1")
     if p.tp > 1 and p.sp:
         errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
                     f"{m.num_experts} is not implemented yet (the experts run whole on the "
                     "replicated sequence): set parallel.sp=false")
-    if c.train.activation_checkpointing == "full" and p.ep > 1:
-        errs.append(f"train.activation_checkpointing=full with parallel.ep={p.ep} is not tested "
-                    "yet (the recomputed blocks would rerun the experts' all-to-alls in "
-                    "backward): set train.activation_checkpointing=selective, or parallel.ep=1")
     if c.train.compile != "none":  # routing makes data-dependent shapes: untested under compile
         errs.append(f"train.compile={c.train.compile} with model.moe.num_experts={m.num_experts}"
                     " is not implemented yet (the routed token counts change every step): set "

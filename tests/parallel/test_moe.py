@@ -46,13 +46,23 @@ def test_checkpoint_at_ep2_resumes_at_ep1(world2, tmp_path):
         assert max(float((params[n] - want[1][n]).abs().max()) for n in params) < 1e-12
 
 
-def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world4, tmp_path):
+BASE = ["parallel.dp=2", "parallel.zero=1"]
+
+
+@pytest.fixture(scope="module")
+def ep1(tmp_path_factory, world2):
+    """The real Trainer at ep=1 (model=debug_moe, dp=2, ZeRO-1): per step (loss, norm, metrics)."""
+    return world2.run(h.trainer_moe, [*BASE, "parallel.ep=1"],
+                      str(tmp_path_factory.mktemp("ep1")))[0]
+
+
+def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world4, tmp_path,
+                                                                    ep1):
     """The real Trainer (model=debug_moe, dp=2, ZeRO-1): ep=2, ep=2 × tp=2 (dense layers
     tensor-parallel, router and experts whole) and ep=2 × pp=2 (MoE blocks in stages) follow
     the ep=1 trajectory (fp32) and log the moe_* metrics (equal ones at pp=2) and the
     all-to-all bytes."""
-    base = ["parallel.dp=2", "parallel.zero=1"]
-    ep1 = world2.run(h.trainer_moe, [*base, "parallel.ep=1"], str(tmp_path / "ep1"))[0]
+    base = BASE
     ep2 = world2.run(h.trainer_moe, [*base, "parallel.ep=2"], str(tmp_path / "ep2"))[0]
     tp2 = world4.run(h.trainer_moe, [*base, "parallel.ep=2", "parallel.tp=2"],
                      str(tmp_path / "tp2"))[0]
@@ -71,3 +81,22 @@ def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world
         assert m2["moe_dropped_fraction"] == 0.0 and m2["moe_aux_loss"] > 0
         assert m2["moe_tokens_per_expert_max"] >= m2["moe_tokens_per_expert_min"] >= 0
         assert m2["moe_load_cv"] == pytest.approx(m1["moe_load_cv"], rel=1e-4)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2", "parallel.pp=2"],  # dp=1: dense layers sharded, experts whole, 2 stages
+    ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1"],
+    [*BASE, "parallel.ep=2", "train.activation_checkpointing=full"],  # all-to-alls rerun
+], ids=["tp2_pp2", "tp2_pp2_zb_h1", "ep2_full_recompute"])
+def test_trainer_moe_compositions_follow_ep1(world2, world4, tmp_path, ep1, layout):
+    """MoE with tp × pp (each stage's dense layers tensor-parallel, its router and experts whole
+    on every tp rank) and full recompute at ep=2 (the recomputed blocks rerun their all-to-alls
+    in backward, on every ep rank in the same order) follow the ep=1 trajectory (fp32) with the
+    same router metrics."""
+    world = world4 if "parallel.pp=2" in layout else world2
+    runs = world.run(h.trainer_moe, layout, str(tmp_path / "run"))
+    got = next(r for r in runs if r and r[0][2])  # the logging rank
+    for (loss1, norm1, m1), (loss2, norm2, m2) in zip(ep1, got, strict=True):
+        assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_load_cv"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5), key
