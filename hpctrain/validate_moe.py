@@ -8,8 +8,10 @@ each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime); tp 
 the two. Activation checkpointing composes: selective recomputes only attention cores, and
 full's recomputation of a block in backward neither adds its router losses again nor counts
 its routing twice (hpctrain.models.moe `in_backward`); with ep > 1 it reruns the block's
-all-to-alls in backward, on every ep rank in the same order. What is not built yet with
-experts (cp, sp, compile) is refused here, naming the fix, never run silently wrong.
+all-to-alls in backward, on every ep rank in the same order. With cp each rank routes its part
+of the rows and the router statistics are summed over cp (dropless, ep = 1). What is not built
+yet with experts (sp, compile, cp with capacity or ep) is refused here, naming the fix, never
+run silently wrong.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ def check_moe(c: Config) -> list[str]:
                     " ranks live inside the dp group): choose ep dividing dp")
     if c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train":
         return errs  # benchmarks other than bench=train build process groups, never a model
-    if p.cp > 1:
-        errs.append(f"parallel.cp={p.cp} with model.moe.num_experts={m.num_experts} is not "
-                    "implemented yet in this version of hpctrain: set parallel.cp=1 (experts "
-                    "compose with dp, ZeRO 0-3, tp without sp, pp and parallel.ep)")
+    if p.cp > 1 and m.capacity_factor > 0:
+        errs.append(f"parallel.cp={p.cp} with model.moe.capacity_factor={m.capacity_factor:g} is "
+                    "not built: capacity ranks the assignments of the whole micro-batch, which "
+                    "the cp ranks hold in parts: set model.moe.capacity_factor=0 (dropless), or "
+                    "parallel.cp=1")
+    if p.cp > 1 and p.ep > 1:
+        errs.append(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not built yet (the "
+                    "expert-data groups do not span cp): set parallel.ep=1 (the experts whole "
+                    "on every rank) or parallel.cp=1")
     if p.tp > 1 and p.sp:
         errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
                     f"{m.num_experts} is not implemented yet (the experts run whole on the "

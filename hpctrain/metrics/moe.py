@@ -1,7 +1,7 @@
 """Per-step routing metrics of a mixture-of-experts model (metrics.jsonl keys `moe_*`).
 
 From the statistics every MoE layer accumulated over the step's training forwards
-(hpctrain.models.moe `take_moe_stats`), summed over the dp group (every rank routes its own
+(hpctrain.models.moe `take_moe_stats`), summed over the dp×cp group (every rank routes its own
 tokens over all E experts), so the numbers describe the whole global batch:
 
   moe_tokens_per_expert_min / _max   assignments (token, expert) an expert was routed, the
@@ -53,7 +53,7 @@ def _layer_counts(layers, stats, *, device: torch.device) -> torch.Tensor:
 def moe_metrics(model: nn.Module, *, group, device: torch.device,
                 pp_group) -> dict[str, Any]:
     """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
-    `group` (the dp group): every rank of it calls this after every step. `pp_group`: the
+    `group` (the dp×cp group): every rank of it calls this after every step. `pp_group`: the
     pipeline group (one rank without pp); with stages each rank holds only its stages'
     layers, so the per-layer sums and extremes are combined over it (every pp rank calls,
     also one whose stages hold no MoE layer), giving the whole model's numbers."""

@@ -15,6 +15,12 @@ Routing (`route`), in fp32 (fp64 for fp64 models) whatever the compute dtype:
   capacity (capacity_factor c > 0): expert e keeps its C = ceil(c·T·k/E) assignments of highest
   score, ties to the lower token index (deterministic); the rest are dropped (the token keeps
   its residual stream and the shared experts). c = 0 is dropless.
+  Under context parallelism each cp rank holds a part of every row (`MoE.token_group`, set by
+  hpctrain.parallel.context.apply): every token is routed where it is, and the statistics aux
+  and z average over (f_e, Σ_T P, Σ_T lse², T) are summed over the group first — P and lse²
+  through an all-reduce whose backward sums the gradients too — so each rank holds the
+  micro-batch's own aux and z, as one process would. Dropless only (capacity ranks
+  assignments across the whole micro-batch).
 
 Experts are stacked weights (w1, w3: [E, D, F], w2: [E, F, D]). On CPU torch's
 `_grouped_mm` takes fp32 only (no fp64, bf16 needs 16-byte-aligned group sizes), so experts run
@@ -34,6 +40,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,8 +80,9 @@ def capacity(moe: MoEConfig, tokens: int) -> int:
     return math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
 
 
-def route(logits_TE: torch.Tensor, moe: MoEConfig) -> Routing:
-    """Top-k routing of T tokens (module docstring: gates, aux, z, capacity dropping)."""
+def route(logits_TE: torch.Tensor, moe: MoEConfig, *, group=None) -> Routing:
+    """Top-k routing of T tokens (module docstring: gates, aux, z, capacity dropping);
+    `group`: the ranks holding the rest of the micro-batch's tokens (cp), or None."""
     T, E = logits_TE.shape
     logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     scores_TE = logits_TE.softmax(-1) if moe.router == "softmax" else logits_TE.sigmoid()
@@ -81,9 +90,12 @@ def route(logits_TE: torch.Tensor, moe: MoEConfig) -> Routing:
     gate_TK = top_TK / top_TK.sum(-1, keepdim=True) if moe.top_k > 1 else top_TK
     routed_E = torch.bincount(expert_TK.flatten(), minlength=E)
     probs_TE = scores_TE if moe.router == "softmax" else scores_TE / scores_TE.sum(-1, True)
-    frac_E = routed_E.to(probs_TE.dtype) / (T * moe.top_k)
-    aux = moe.aux_loss_coef * E * (frac_E * probs_TE.mean(0)).sum()
-    z = moe.z_loss_coef * logits_TE.logsumexp(-1).square().mean()
+    if group is None:
+        frac_E = routed_E.to(probs_TE.dtype) / (T * moe.top_k)
+        aux = moe.aux_loss_coef * E * (frac_E * probs_TE.mean(0)).sum()
+        z = moe.z_loss_coef * logits_TE.logsumexp(-1).square().mean()
+    else:
+        aux, z = _group_losses(logits_TE, probs_TE, routed_E, moe, group=group)
     # Sort assignments by expert, then score descending, then token: the capacity keeps the
     # first C of each expert, and the kept order is the expert-major order the experts need.
     expert_A, score_A = expert_TK.flatten(), top_TK.detach().flatten()
@@ -95,6 +107,18 @@ def route(logits_TE: torch.Tensor, moe: MoEConfig) -> Routing:
     keep = order[rank_A < capacity(moe, T)]
     counts_E = torch.bincount(expert_A[keep], minlength=E)
     return Routing(token_A[keep], gate_TK.flatten()[keep], counts_E, routed_E, aux, z)
+
+
+def _group_losses(logits_TE, probs_TE, routed_E, moe: MoEConfig, *, group):
+    """aux and z of the micro-batch whose tokens `group` holds between its ranks."""
+    counts = torch.cat([routed_E, routed_E.new_tensor([logits_TE.shape[0]])]).to(probs_TE.dtype)
+    dist.all_reduce(counts, group=group)  # no gradient: the assignments and the token count
+    T = counts[-1]
+    sums = dist_nn.all_reduce(torch.cat([probs_TE.sum(0), logits_TE.logsumexp(-1).square()
+                                         .sum().reshape(1)]), group=group)
+    frac_E = counts[:-1] / (T * moe.top_k)
+    aux = moe.aux_loss_coef * probs_TE.shape[1] * (frac_E * sums[:-1] / T).sum()
+    return aux, moe.z_loss_coef * sums[-1] / T
 
 
 class Experts(nn.Module):
@@ -148,11 +172,13 @@ class MoE(nn.Module):
                        if cfg.moe.shared_experts else None)
         self.pending_loss: torch.Tensor | None = None
         self.stats = MoEStats()
+        self.token_group = None  # cp: the ranks holding the rest of each row (module doc)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         acc = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 routing, fp64 stays fp64
-        r = route(F.linear(x_TD.to(acc), self.router.weight.to(acc)), self.moe)
+        r = route(F.linear(x_TD.to(acc), self.router.weight.to(acc)), self.moe,
+                  group=self.token_group)
         y_AD = self.experts(x_TD[r.token_A], r.counts_E)
         out_TD = torch.zeros_like(x_TD).index_add(0, r.token_A,
                                                   (y_AD * r.gate_A[:, None]).to(x_TD.dtype))

@@ -191,7 +191,7 @@ class Trainer:
                 "skipped": result.skipped, "nonfinite": result.nonfinite, "step_time_s": dt,
                 **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
                 **take_cp_bytes(self.parallel.cp_comm),
-                **(moe_metrics(self.model, group=self.mesh.group("dp"), device=self.mesh.device,
+                **(moe_metrics(self.model, group=self.mesh.dp_cp, device=self.mesh.device,
                                pp_group=self.mesh.group("pp")) if cfg.model.moe.enabled else {}),
                 **step_extra, **data_metrics}
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from hpctrain.models import ModelConfig, build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
+from hpctrain.models.config import MoEConfig
+from hpctrain.models.moe import take_router_loss
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, ring_bytes
@@ -22,10 +24,15 @@ from tests.references import token_batch
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def tiny_cfg(attention: str, *, n_layers: int = 2, heads: tuple[int, int] = (4, 2)
-             ) -> ModelConfig:
+def tiny_cfg(attention: str, *, n_layers: int = 2, heads: tuple[int, int] = (4, 2),
+             experts: int = 0) -> ModelConfig:
+    """`experts` > 0: routed experts (top 2, every block) with large router-loss coefficients,
+    so an error in their gradients shows."""
+    moe = MoEConfig(num_experts=experts, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.5,
+                    z_loss_coef=0.1)
     return ModelConfig(name="cp", vocab_size=64, dim=32, n_layers=n_layers, n_heads=heads[0],
-                       n_kv_heads=heads[1], ffn_dim=64, max_seq_len=64, attention=attention)
+                       n_kv_heads=heads[1], ffn_dim=64, max_seq_len=64, attention=attention,
+                       moe=moe)
 
 
 def interpret_triton() -> None:
@@ -75,7 +82,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32,
         ref = build_model(tiny_cfg(reference or attention, **shape), seed=3).double()
         inputs_BL, targets_BL, docs = batch(L, documents=documents)
         logits = ref(inputs_BL, docs=docs)
-        loss_ref = ce64(logits, targets_BL)
+        loss_ref = ce64(logits, targets_BL) + _router(ref)
         loss_ref.backward()
         comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
         model = build_model(cfg, seed=3).double()
@@ -89,7 +96,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32,
         # the engine's view: each shard's mean loss weighted by its real tokens
         # (loss_divisors over the cp group), losses and gradients averaged over cp
         (d,) = loss_divisors([(inp, tgt)], dp_group=dist.group.WORLD, device=torch.device("cpu"))
-        loss = ce64(out, tgt) / d
+        loss = (ce64(out, tgt) + _router(model)) / d
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -105,6 +112,12 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32,
                 "blocks": comm.blocks, "bytes": comm.bytes_sent}
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def _router(model) -> torch.Tensor | float:
+    """The MoE layers' aux + z of the forward (0 for a dense model)."""
+    loss = take_router_loss(model)
+    return 0.0 if loss is None else loss
 
 
 def train_cp(overrides: list[str], run_dir: str) -> list[dict]:

@@ -56,6 +56,18 @@ def test_cp2_activation_checkpointing_equals_single_fp64(world2, checkpointing):
                                               elem_bytes=8, cp=2, recompute=checkpointing)
 
 
+@pytest.mark.parametrize("cp,documents", [(2, True), (4, False)])
+def test_cp_moe_routes_every_shard_and_its_router_losses_equal_single_fp64(world2, world4, cp,
+                                                                           documents):
+    """Routed experts in every block (aux and z coefficients 0.5, 0.1): each cp rank routes its
+    tokens, the load-balancing and z losses come from statistics summed over cp (their
+    gradients through the all-reduce's backward): loss and every gradient equal one process's
+    (router and experts included)."""
+    world = world2 if cp == 2 else world4
+    for r in world.run(h.cp_equals_single, "eager", documents, experts=4):
+        assert r["loss_err"] <= 1e-12 and r["grad_err"] <= 1e-12, r
+
+
 def test_zigzag_balances_the_blocks_each_rank_computes(world4):
     """Without documents every cp rank computes 2·cp + 1 chunk blocks per layer."""
     blocks = [r["blocks"] for r in world4.run(h.cp_equals_single, "eager", False)]

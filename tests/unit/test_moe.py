@@ -105,7 +105,10 @@ def test_layer_matches_per_token_reference_and_records_losses():
     (["model=debug_moe", "parallel.dp=2", "parallel.ep=2", "model.moe.num_experts=3"],
      "divisors of the expert count"),
     (["model=debug_moe", "parallel.dp=1", "parallel.ep=2"], "choose ep dividing dp"),
-    (["model=debug_moe", "parallel.cp=2"], "set parallel.cp=1"),
+    (["model=debug_moe", "parallel.cp=2", "model.moe.capacity_factor=1.25"],
+     "set model.moe.capacity_factor=0 (dropless)"),
+    (["model=debug_moe", "parallel.dp=2", "parallel.ep=2", "parallel.cp=2",
+      "cluster.procs_per_node=4"], "set parallel.ep=1"),
     (["model=debug_moe", "parallel.tp=2", "parallel.sp=true"], "set parallel.sp=false"),
     (["model=debug_moe", "train.compile=blocks"], "set train.compile=none"),
 ])

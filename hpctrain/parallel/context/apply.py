@@ -2,13 +2,15 @@
 every block's attention core (where its family declares it) becomes a RingAttentionCore over
 the cp group. The rest of the
 model runs unchanged on the zigzag shard: RoPE reads the shard's full-row positions from its
-ShardDocuments, and every other op is per token.
+ShardDocuments, and every other op is per token; MoE layers route their tokens where they are
+and sum their router statistics over the cp group (hpctrain.models.moe).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from hpctrain.models.moe import moe_layers
 from hpctrain.models.registry import family_of, model_blocks
 from hpctrain.parallel.context.allgather import allgather_attention
 from hpctrain.parallel.context.ring import RingComm, ring_attention
@@ -42,6 +44,8 @@ def apply_context_parallel(model: nn.Module, comm: RingComm, *,
     (hpctrain.parallel.step.loss_divisors)."""
     if comm.size == 1:
         return model
+    for layer in moe_layers(model):  # tokens routed where they are, statistics over the row
+        layer.token_group = comm.group
     parent, _, attr = family_of(model.cfg).attention_core.rpartition(".")
     for block in model_blocks(model):
         owner = block.get_submodule(parent) if parent else block
