@@ -2,16 +2,17 @@
 
 Expert-parallel ranks are ep consecutive ranks of the dp group (hpctrain.distributed.mesh),
 so ep must divide dp and the expert count. With tp the dense layers are tensor-parallel and
-the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), which
-needs the replicated sequence (sp=false). With pp the MoE blocks live inside the stages and
+the router and experts run whole on every tp rank (hpctrain.parallel.tensor.plan), on the
+replicated sequence or, with sp, on the rank's sequence shard (router statistics summed over
+tp, hpctrain.models.moe). With pp the MoE blocks live inside the stages and
 each stage seeds its own router losses (hpctrain.parallel.pipeline.runtime); tp × pp composes
 the two. Activation checkpointing composes: selective recomputes only attention cores, and
 full's recomputation of a block in backward neither adds its router losses again nor counts
 its routing twice (hpctrain.models.moe `in_backward`); with ep > 1 it reruns the block's
 all-to-alls in backward, on every ep rank in the same order. With cp each rank routes its part
 of the rows and the router statistics are summed over cp (dropless, ep = 1). What is not built
-yet with experts (sp, compile, cp with capacity or ep) is refused here, naming the fix, never
-run silently wrong.
+yet with experts (compile; cp or sp with capacity or ep; sp with cp) is refused here, naming
+the fix, never run silently wrong.
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ def check_moe(c: Config) -> list[str]:
         errs.append(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not built yet (the "
                     "expert-data groups do not span cp): set parallel.ep=1 (the experts whole "
                     "on every rank) or parallel.cp=1")
-    if p.tp > 1 and p.sp:
-        errs.append(f"parallel.sp=true with parallel.tp={p.tp} and model.moe.num_experts="
-                    f"{m.num_experts} is not implemented yet (the experts run whole on the "
-                    "replicated sequence): set parallel.sp=false")
+    if p.tp > 1 and p.sp and m.capacity_factor > 0:
+        errs.append(f"parallel.sp=true with model.moe.capacity_factor={m.capacity_factor:g} is "
+                    "not built: capacity ranks the assignments of the whole micro-batch, which "
+                    "the tp ranks hold in parts under sp: set model.moe.capacity_factor=0 "
+                    "(dropless), or parallel.sp=false")
+    if p.tp > 1 and p.sp and (p.cp > 1 or p.ep > 1):
+        errs.append(f"parallel.sp=true with model.moe.num_experts={m.num_experts} and "
+                    f"parallel.cp={p.cp}, parallel.ep={p.ep} is not built yet (the routed "
+                    "tokens would spread over tp × cp, or the expert groups over tp): set "
+                    "parallel.sp=false, or parallel.cp=1 and parallel.ep=1")
     if c.train.compile != "none":  # routing makes data-dependent shapes: untested under compile
         errs.append(f"train.compile={c.train.compile} with model.moe.num_experts={m.num_experts}"
                     " is not implemented yet (the routed token counts change every step): set "

@@ -50,13 +50,15 @@ def _layer_counts(layers, stats, *, device: torch.device) -> torch.Tensor:
         for m, s in zip(layers, stats, strict=True)]).to(device, torch.float64)
 
 
-def moe_metrics(model: nn.Module, *, group, device: torch.device,
-                pp_group) -> dict[str, Any]:
+def moe_metrics(model: nn.Module, *, group, device: torch.device, pp_group,
+                sp_group=None) -> dict[str, Any]:
     """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
     `group` (the dp×cp group): every rank of it calls this after every step. `pp_group`: the
     pipeline group (one rank without pp); with stages each rank holds only its stages'
     layers, so the per-layer sums and extremes are combined over it (every pp rank calls,
-    also one whose stages hold no MoE layer), giving the whole model's numbers."""
+    also one whose stages hold no MoE layer), giving the whole model's numbers. `sp_group`:
+    the tp group under sequence parallelism, whose ranks route parts of the same rows (their
+    counts add; their aux and z are the micro-batch's already)."""
     layers = moe_layers(model)
     if not layers and group_size(pp_group) == 1:
         return {}
@@ -67,6 +69,10 @@ def moe_metrics(model: nn.Module, *, group, device: torch.device,
                             sum(s.aux for s in stats) / forwards,
                             sum(s.z for s in stats) / forwards], dtype=torch.float64,
                            device=device)
+    if group_size(sp_group) > 1:
+        counts = torch.cat([counts_LE.flatten(), scalars[:2]])
+        dist.all_reduce(counts, group=sp_group)
+        counts_LE, scalars = counts[:-2].view_as(counts_LE), torch.cat([counts[-2:], scalars[2:]])
     if group_size(group) > 1:
         flat = torch.cat([counts_LE.flatten(), scalars])
         dist.all_reduce(flat, group=group)

@@ -16,11 +16,14 @@ Routing (`route`), in fp32 (fp64 for fp64 models) whatever the compute dtype:
   score, ties to the lower token index (deterministic); the rest are dropped (the token keeps
   its residual stream and the shared experts). c = 0 is dropless.
   Under context parallelism each cp rank holds a part of every row (`MoE.token_group`, set by
-  hpctrain.parallel.context.apply): every token is routed where it is, and the statistics aux
-  and z average over (f_e, Σ_T P, Σ_T lse², T) are summed over the group first — P and lse²
-  through an all-reduce whose backward sums the gradients too — so each rank holds the
-  micro-batch's own aux and z, as one process would. Dropless only (capacity ranks
-  assignments across the whole micro-batch).
+  hpctrain.parallel.context.apply), and under sequence parallelism each tp rank a part of the
+  sequence (set by hpctrain.parallel.tensor.plan): every token is routed where it is, and the
+  statistics aux and z average over (f_e, Σ_T P, Σ_T lse², T) are summed over the group first
+  — P and lse² through an all-reduce whose backward sums the gradients too — so each rank
+  holds the micro-batch's own aux and z, as one process would. Under sp every tp rank adds
+  them to the same loss and the all-reduce's backward sums tp copies of their gradient, so
+  the loss a rank adds is (aux + z) / tp (`MoE.loss_share`); cp ranks average their losses
+  instead (share 1). Dropless only (capacity ranks assignments across the whole micro-batch).
 
 Experts are stacked weights (w1, w3: [E, D, F], w2: [E, F, D]). On CPU torch's
 `_grouped_mm` takes fp32 only (no fp64, bf16 needs 16-byte-aligned group sizes), so experts run
@@ -172,7 +175,8 @@ class MoE(nn.Module):
                        if cfg.moe.shared_experts else None)
         self.pending_loss: torch.Tensor | None = None
         self.stats = MoEStats()
-        self.token_group = None  # cp: the ranks holding the rest of each row (module doc)
+        self.token_group = None  # cp, sp: the ranks holding the rest of the rows (module doc)
+        self.loss_share = 1.0  # 1 / tp under sp (module doc)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
@@ -186,7 +190,7 @@ class MoE(nn.Module):
             out_TD = out_TD + self.shared(x_TD)
         if torch.is_grad_enabled() and not in_backward():  # a training forward, not its
             # recomputation under activation checkpointing: its losses and statistics count once
-            loss = r.aux + r.z
+            loss = r.aux + r.z if self.loss_share == 1 else (r.aux + r.z) * self.loss_share
             self.pending_loss = loss if self.pending_loss is None else self.pending_loss + loss
             self._record(r)
         return out_TD.view_as(x_BLD)

@@ -192,7 +192,8 @@ class Trainer:
                 **self._throughput(micro, dt), **take_comm_bytes(self.parallel.tp_plan),
                 **take_cp_bytes(self.parallel.cp_comm),
                 **(moe_metrics(self.model, group=self.mesh.dp_cp, device=self.mesh.device,
-                               pp_group=self.mesh.group("pp")) if cfg.model.moe.enabled else {}),
+                               pp_group=self.mesh.group("pp"), sp_group=self.mesh.group("tp")
+                               if cfg.parallel.sp else None) if cfg.model.moe.enabled else {}),
                 **step_extra, **data_metrics}
 
     def _throughput(self, micro, dt: float) -> dict[str, Any]:

@@ -88,12 +88,14 @@ def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world
     ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb_h1"],
     [*BASE, "parallel.ep=2", "train.activation_checkpointing=full"],  # all-to-alls rerun
     ["parallel.cp=2"],  # each cp rank routes its part of the rows
-], ids=["tp2_pp2", "tp2_pp2_zb_h1", "ep2_full_recompute", "cp2"])
+    ["parallel.tp=2", "parallel.sp=true"],  # each tp rank routes its sequence shard
+], ids=["tp2_pp2", "tp2_pp2_zb_h1", "ep2_full_recompute", "cp2", "tp2_sp"])
 def test_trainer_moe_compositions_follow_ep1(world2, world4, tmp_path, ep1, layout):
     """MoE with tp × pp (each stage's dense layers tensor-parallel, its router and experts whole
     on every tp rank), full recompute at ep=2 (the recomputed blocks rerun their all-to-alls
-    in backward, on every ep rank in the same order) and cp=2 (router statistics summed over
-    cp) follow the ep=1 trajectory (fp32) with the same router metrics."""
+    in backward, on every ep rank in the same order), cp=2 and tp=2 with sp (router statistics
+    summed over the ranks holding parts of the rows) follow the ep=1 trajectory (fp32) with the
+    same router metrics."""
     world = world4 if "parallel.pp=2" in layout else world2
     runs = world.run(h.trainer_moe, layout, str(tmp_path / "run"))
     got = next(r for r in runs if r and r[0][2])  # the logging rank

@@ -142,6 +142,8 @@ def _plan_block(model, i: str, plan: TensorParallelPlan, *, seed, cfg: ModelConf
     # An MoE block keeps its router and experts whole on every tp rank (computed redundantly
     # on the replicated input, so their gradients are complete on each rank): the norm before
     # it stays a plain norm, since the entry op's backward all-reduce would sum tp full copies.
+    # Under sp they run on the rank's sequence shard instead: their gradients are partial and
+    # summed over tp like every replicated parameter's (grads.py).
     fam = plan.family
     block = f"{fam.blocks}.{i}"
     moe = isinstance(model.get_submodule(f"{block}.{fam.block_mlp}"), MoE)
@@ -204,6 +206,9 @@ def apply_tensor_parallel(model: nn.Module, *, group, sp: bool, seed: int | None
         plan.replicas[id(p)] = piece.replicas
         if piece.dim is not None and piece.parts != plan.tp:
             plan.kv_slots[id(p)] = (piece.index, piece.parts)
+    if sp and plan.tp > 1:  # MoE blocks route their sequence shard (hpctrain.models.moe)
+        for layer in moe_layers(model):
+            layer.token_group, layer.loss_share = group, 1.0 / plan.tp
     return plan
 
 
