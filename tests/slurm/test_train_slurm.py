@@ -24,10 +24,24 @@ SMALL = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=
 CLI_TIMEOUT_S = 240
 
 
-def _hpctrain(args: list[str], *, timeout_s: float = CLI_TIMEOUT_S, **kw):
+def _hpctrain(args: list[str], *, timeout_s: float = CLI_TIMEOUT_S, meanwhile=None):
+    """The CLI's completed process; `meanwhile()` runs here while it waits on the cluster
+    (a local reference: it then costs no wall time of its own). Returns (process, its value)
+    when given."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run([sys.executable, "-m", "hpctrain", "-m", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s, **kw)
+    argv = [sys.executable, "-m", "hpctrain", "-m", *args]
+    if meanwhile is None:
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            value = meanwhile()
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), value
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -66,8 +80,9 @@ def dp4_two_nodes(slurm_cluster, tmp_path_factory) -> tuple[Path, Any, float]:
     its step-5 checkpoint at another layout."""
     sweep = tmp_path_factory.mktemp("dp4_slurm") / "sw"
     t0 = time.monotonic()
-    proc = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.checkpoint_every=5",
-                      f"hydra.sweep.dir={sweep}"])
+    proc, _ = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.checkpoint_every=5",
+                         f"hydra.sweep.dir={sweep}"],
+                        meanwhile=lambda: _dp4_local_reference(tmp_path_factory))
     return sweep, proc, time.monotonic() - t0
 
 
@@ -131,6 +146,10 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
         job = submitit.SlurmJob(folder=sweep / ".submitit" / "%j", job_id=job_dir.name,
                                 tasks=(0, 1))
         job._interrupt()  # SIGTERM + USR2, as a preemption
+        # The uninterrupted run on this machine, while Slurm holds the requeued job back
+        # (cred_expire, ~15-20 s idle): the comparison costs no wall time of its own.
+        ref_train = [o.replace("logger.wandb=offline", "logger.wandb=disabled") for o in train]
+        ref = _local_reference(["cluster.procs_per_node=2", *ref_train], tmp_path / "local")
         _wait_for(lambda: _restarts(job.job_id) >= 1, 60, "the requeue")
         wait_job(job, 180)
         out, _ = proc.communicate(timeout=60)
@@ -146,8 +165,6 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
     assert (run_dir / "wandb_id.txt").read_text().strip() == wandb_id
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(p.name.endswith(wandb_id) for p in runs), runs
-    ref_train = [o.replace("logger.wandb=offline", "logger.wandb=disabled") for o in train]
-    ref = _local_reference(["cluster.procs_per_node=2", *ref_train], tmp_path / "local")
     assert [s for s, _ in got] == list(range(1, 151))
     assert got == ref  # bit-identical (CPU fp32)
 
@@ -230,15 +247,15 @@ def test_parallel_auto_on_the_local_cluster(slurm_cluster, tmp_path):
     writes plan.json, and it trains to the single process's losses. The job's size comes from
     cluster.nodes × procs_per_node (there are no degrees yet to derive it from)."""
     small = [*SMALL, "train.steps=4"]
-    proc = _hpctrain(["cluster=slurm_local", "cluster.nodes=2", "parallel=auto", *small,
-                      f"hydra.sweep.dir={tmp_path / 'sw'}"])
+    proc, ref = _hpctrain(["cluster=slurm_local", "cluster.nodes=2", "parallel=auto", *small,
+                           f"hydra.sweep.dir={tmp_path / 'sw'}"],
+                          meanwhile=lambda: _local_reference(small, tmp_path / "single"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "sw" / "0"
     plan = json.loads((run_dir / "plan.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["completed_steps"] == 4
     assert summary["layout"] == f"{plan['chosen']['layout']} {plan['chosen']['recompute']}"
-    ref = _local_reference(small, tmp_path / "single")
     got = _losses(run_dir)
     assert [s for s, _ in got] == [s for s, _ in ref] == [1, 2, 3, 4]
     assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-5)
