@@ -217,8 +217,9 @@ def _limit_reached_early(sweep: Path, time_min: int) -> None:
         subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"],
                        check=True, timeout=30)
         _wait_for(lambda: "received SIGUSR2" in log.read_text(), 90, "the time-limit signal")
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={time_min}"],
-                       check=True, timeout=30)
+        restore = ["scontrol", "update", f"JobId={job_id}", f"TimeLimit={time_min}"]
+        _wait_for(lambda: subprocess.run(restore, capture_output=True, timeout=30).returncode
+                  == 0, 10, "the restored limit")  # refused while the job is completing
     except BaseException:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
         raise
