@@ -54,7 +54,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import gib, host_line, measure_phase, spawn  # noqa: E402
+from benchmarks.common import measure_phase, spawn  # noqa: E402
+from benchmarks.host import gib, host_line  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "hf_interop.md"
 SHARD = 2 * 10**9  # save_pretrained(max_shard_size="2GB"); export.max_shard_mb the same

@@ -52,7 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import gib, host_line  # noqa: E402
+from benchmarks.host import gib, host_line  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prepare.md"
 EOT = "<|endoftext|>"

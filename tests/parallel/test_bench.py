@@ -122,9 +122,13 @@ def _hpctrain(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_bench_comm_end_to_end_writes_json_report_and_plot(tmp_path):
+def test_bench_comm_end_to_end_writes_json_report_plot_and_wandb_offline(tmp_path):
+    """One `task=bench bench=comm` run (a CLI run with 2 ranks costs ~15 s): bench.json,
+    the report and its plot, and the W&B offline run of the report rank alone."""
+    from tests import wandb_records
+
     _hpctrain("task=bench", "bench=comm", "bench.min_bytes=256", "bench.max_bytes=2048",
-              f"hydra.run.dir={tmp_path}")
+              "logger.wandb=offline", f"hydra.run.dir={tmp_path}")
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["meta"]["bench"] == "comm" and doc["meta"]["world_size"] == 2
     assert doc["outliers"] == [] and doc["exclude"] is None
@@ -137,6 +141,10 @@ def test_bench_comm_end_to_end_writes_json_report_and_plot(tmp_path):
     report = (tmp_path / "bench_report.md").read_text()
     assert "## Collectives" in report and "bench_comm_busbw.png" in report
     assert (tmp_path / "bench_comm_busbw.png").stat().st_size > 1000
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1  # one run, from the report rank only
+    keys = {k for row in wandb_records.history(files[0]) for k in row}
+    assert "bench/comm/_type" in keys and "bench_plot/comm/_type" in keys, keys
 
 
 def test_sweep_with_injected_slow_rank_names_it_in_the_report(tmp_path):
@@ -153,14 +161,3 @@ def test_sweep_with_injected_slow_rank_names_it_in_the_report(tmp_path):
     report = (tmp_path / "1" / "bench_report.md").read_text()
     assert "rank 1" in report and f"--exclude={node}" in report
     assert (tmp_path / "1" / "bench_gemm.png").exists()
-
-
-def test_bench_results_go_to_wandb_offline(tmp_path):
-    from tests import wandb_records
-
-    _hpctrain("task=bench", "bench=comm", "bench.min_bytes=256", "bench.max_bytes=1024",
-              "logger.wandb=offline", f"hydra.run.dir={tmp_path}")
-    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1  # one run, from the report rank only
-    keys = {k for row in wandb_records.history(files[0]) for k in row}
-    assert "bench/comm/_type" in keys and "bench_plot/comm/_type" in keys, keys

@@ -24,10 +24,24 @@ SMALL = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=
 CLI_TIMEOUT_S = 240
 
 
-def _hpctrain(args: list[str], *, timeout_s: float = CLI_TIMEOUT_S, **kw):
+def _hpctrain(args: list[str], *, timeout_s: float = CLI_TIMEOUT_S, meanwhile=None):
+    """The CLI's completed process; `meanwhile()` runs here while it waits on the cluster
+    (a local reference: it then costs no wall time of its own). Returns (process, its value)
+    when given."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run([sys.executable, "-m", "hpctrain", "-m", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s, **kw)
+    argv = [sys.executable, "-m", "hpctrain", "-m", *args]
+    if meanwhile is None:
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            value = meanwhile()
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), value
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -66,8 +80,9 @@ def dp4_two_nodes(slurm_cluster, tmp_path_factory) -> tuple[Path, Any, float]:
     its step-5 checkpoint at another layout."""
     sweep = tmp_path_factory.mktemp("dp4_slurm") / "sw"
     t0 = time.monotonic()
-    proc = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.checkpoint_every=5",
-                      f"hydra.sweep.dir={sweep}"])
+    proc, _ = _hpctrain(["cluster=slurm_local", *_DP4[1:], "train.checkpoint_every=5",
+                         f"hydra.sweep.dir={sweep}"],
+                        meanwhile=lambda: _dp4_local_reference(tmp_path_factory))
     return sweep, proc, time.monotonic() - t0
 
 
@@ -131,6 +146,10 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
         job = submitit.SlurmJob(folder=sweep / ".submitit" / "%j", job_id=job_dir.name,
                                 tasks=(0, 1))
         job._interrupt()  # SIGTERM + USR2, as a preemption
+        # The uninterrupted run on this machine, while Slurm holds the requeued job back
+        # (cred_expire, ~15-20 s idle): the comparison costs no wall time of its own.
+        ref_train = [o.replace("logger.wandb=offline", "logger.wandb=disabled") for o in train]
+        ref = _local_reference(["cluster.procs_per_node=2", *ref_train], tmp_path / "local")
         _wait_for(lambda: _restarts(job.job_id) >= 1, 60, "the requeue")
         wait_job(job, 180)
         out, _ = proc.communicate(timeout=60)
@@ -146,8 +165,6 @@ def test_preempted_job_requeues_and_resumes_bit_identically(slurm_cluster, tmp_p
     assert (run_dir / "wandb_id.txt").read_text().strip() == wandb_id
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(p.name.endswith(wandb_id) for p in runs), runs
-    ref_train = [o.replace("logger.wandb=offline", "logger.wandb=disabled") for o in train]
-    ref = _local_reference(["cluster.procs_per_node=2", *ref_train], tmp_path / "local")
     assert [s for s, _ in got] == list(range(1, 151))
     assert got == ref  # bit-identical (CPU fp32)
 
@@ -171,27 +188,66 @@ def test_resume_at_another_layout_continues(dp4_two_nodes, tmp_path, tmp_path_fa
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
 
 
+def _job_field(job_id: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                         text=True, timeout=30).stdout
+    m = re.search(rf"\b{name}=(\S+)", out)
+    return m.group(1) if m else ""
+
+
+def _seconds(hms: str) -> int:  # Slurm's [D-]HH:MM:SS
+    days, _, hms = hms.rpartition("-")
+    h, m, sec = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def _limit_reached_early(sweep: Path, time_min: int) -> None:
+    """Once the run trains (its handlers are in), lower the running job's time limit so that
+    slurmctld's next 30 s check sends the --signal; once it is received, give the limit back
+    (the requeued slot must not be signalled before its handlers are in)."""
+    log = _wait_for(lambda: next((sweep / ".submitit").glob("*/*_0_log.err"), None), 120,
+                    "the job's log")
+    job_id = log.parent.name
+    try:
+        _wait_for(lambda: "training steps 1.." in log.read_text(), 120, "training")
+        assert _job_field(job_id, "TimeLimit") == f"00:{time_min:02d}:00"  # --time rendered
+        # USR2 comes at the first check with limit - 60 s <= run time + 30 s; with 1 minute
+        # that is the next one if the run has had 15 s or less, else 2 minutes and <= 60 s in
+        limit = 1 if _seconds(_job_field(job_id, "RunTime")) <= 15 else 2
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}"],
+                       check=True, timeout=30)
+        _wait_for(lambda: "received SIGUSR2" in log.read_text(), 90, "the time-limit signal")
+        restore = ["scontrol", "update", f"JobId={job_id}", f"TimeLimit={time_min}"]
+        _wait_for(lambda: subprocess.run(restore, capture_output=True, timeout=30).returncode
+                  == 0, 10, "the restored limit")  # refused while the job is completing
+    except BaseException:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        raise
+
+
 @pytest.mark.slow
 def test_real_time_limit_requeues_and_finishes(slurm_cluster, tmp_path):
-    """A real --time limit (2 min, USR2 60 s before it): the run checkpoints on the signal, is
-    requeued and finishes from there.
+    """Slurm's own time-limit signal (--signal=USR2@60 from cluster.signal_delay_s, sent by
+    slurmctld's time-limit check): the run checkpoints on it, is requeued and finishes from
+    there.
 
-    slurmctld checks time limits every 30 s and sends the signal at the first check within
-    signal_delay_s + 30 s of the limit, so USR2 comes 30–60 s into each slot (measured with a
-    30 s delay: 64–80 s, always on a 30 s tick): late enough for the handlers (installed ~5 s
-    in, ~15 s on a loaded host), early enough to keep the run short. A slot that is signalled
-    again is requeued again; the run must only outlast the first one."""
-    # One rank (the dp=2 stop agreement is the preemption test's): ~90 s of debug-model steps
-    # here (~33/s), of which at most ~54 s fit in a first slot; a checkpoint at the signal only.
-    steps = 3000
+    slurmctld checks limits every 30 s and signals at the first check within signal_delay_s +
+    30 s of the limit; with the submitted 3 minutes that would be 90-120 s in. Once training
+    (handlers installed ~5 s in, ~15 s on a loaded host) the test lowers the job's limit with
+    scontrol (the signal then comes within 30 s, 45 s if training started late) and restores
+    it when the signal is seen, so the requeued slot is not signalled again."""
+    # One rank (the dp=2 stop agreement is the preemption test's): ~55 s of debug-model steps
+    # at ~33/s, against at most 30-45 s before the signal; a checkpoint at the signal only.
+    steps, time_min = 1800, 3
     train = ["parallel=single", "cluster.procs_per_node=1", *SMALL, f"train.steps={steps}",
-             "train.log_every=500", "train.checkpoint_every=0", "cluster.time_min=2",
+             "train.log_every=500", "train.checkpoint_every=0", f"cluster.time_min={time_min}",
              "cluster.signal_delay_s=60"]
     sweep = tmp_path / "sw"
-    proc = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"], timeout_s=900)
+    proc, _ = _hpctrain(["cluster=slurm_local", *train, f"hydra.sweep.dir={sweep}"],
+                        timeout_s=600, meanwhile=lambda: _limit_reached_early(sweep, time_min))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
-    assert "received SIGUSR2" in logs, logs[-3000:]
+    assert "received SIGUSR2" in logs and "Job has timed out" in logs, logs[-3000:]
     stopped = re.search(r"checkpointing at step (\d+)", logs)
     resumed = re.search(r"resumed from .*step_\d{8} at step (\d+)", logs)
     assert stopped and resumed and stopped.group(1) == resumed.group(1), logs[-3000:]
@@ -230,15 +286,15 @@ def test_parallel_auto_on_the_local_cluster(slurm_cluster, tmp_path):
     writes plan.json, and it trains to the single process's losses. The job's size comes from
     cluster.nodes × procs_per_node (there are no degrees yet to derive it from)."""
     small = [*SMALL, "train.steps=4"]
-    proc = _hpctrain(["cluster=slurm_local", "cluster.nodes=2", "parallel=auto", *small,
-                      f"hydra.sweep.dir={tmp_path / 'sw'}"])
+    proc, ref = _hpctrain(["cluster=slurm_local", "cluster.nodes=2", "parallel=auto", *small,
+                           f"hydra.sweep.dir={tmp_path / 'sw'}"],
+                          meanwhile=lambda: _local_reference(small, tmp_path / "single"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "sw" / "0"
     plan = json.loads((run_dir / "plan.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["completed_steps"] == 4
     assert summary["layout"] == f"{plan['chosen']['layout']} {plan['chosen']['recompute']}"
-    ref = _local_reference(small, tmp_path / "single")
     got = _losses(run_dir)
     assert [s for s, _ in got] == [s for s, _ in ref] == [1, 2, 3, 4]
     assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-5)
