@@ -10,9 +10,10 @@ the two. Activation checkpointing composes: selective recomputes only attention 
 full's recomputation of a block in backward neither adds its router losses again nor counts
 its routing twice (hpctrain.models.moe `in_backward`); with ep > 1 it reruns the block's
 all-to-alls in backward, on every ep rank in the same order. With cp each rank routes its part
-of the rows and the router statistics are summed over cp (dropless, ep = 1). What is not built
-yet with experts (compile; cp or sp with capacity or ep; sp with cp) is refused here, naming
-the fix, never run silently wrong.
+of the rows and the router statistics are summed over cp (dropless, ep = 1); under
+train.compile the MoE layers run eagerly (hpctrain.models.compile). What is not built yet
+with experts (cp or sp with capacity or ep; sp with cp) is refused here, naming the fix,
+never run silently wrong.
 """
 
 from __future__ import annotations
@@ -61,8 +62,4 @@ def check_moe(c: Config) -> list[str]:
                     f"parallel.cp={p.cp}, parallel.ep={p.ep} is not built yet (the routed "
                     "tokens would spread over tp × cp, or the expert groups over tp): set "
                     "parallel.sp=false, or parallel.cp=1 and parallel.ep=1")
-    if c.train.compile != "none":  # routing makes data-dependent shapes: untested under compile
-        errs.append(f"train.compile={c.train.compile} with model.moe.num_experts={m.num_experts}"
-                    " is not implemented yet (the routed token counts change every step): set "
-                    "train.compile=none")
     return errs

@@ -20,6 +20,12 @@ dynamo marks those dims dynamic (automatic_dynamic_shapes).
 
 Tensor-parallel collectives (hpctrain.parallel.tensor.comm) run outside the graph: each is a
 clean graph break (torch.compiler.disable), traced once, never a recompilation per step.
+
+Mixture of experts: routing makes data-dependent shapes (each expert's token count, the kept
+assignments) that change every step, so a traced MoE layer would recompile until dynamo gave
+up. Each MoE layer's forward runs eagerly instead (torch.compiler.disable, set here when
+compiling): a block is then its dense graphs around one clean break, a fixed number of
+graphs whatever the routing (tests/parallel/test_moe.py counts them over 20 steps).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpctrain.models.moe import moe_layers
 from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import Documents
 
@@ -85,6 +92,8 @@ def apply_compile(model: nn.Module, mode: str, *, attention: str) -> None:
     if mode == "none":
         return
     whole = _stage_modules(model)
+    for layer in moe_layers(model):  # data-dependent shapes: eager (module docstring)
+        layer.forward = torch.compiler.disable(layer.forward)
     if attention in MASK_BACKENDS:
         for module in whole:
             module.register_forward_pre_hook(_prime_documents, with_kwargs=True)

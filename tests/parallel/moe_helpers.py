@@ -187,12 +187,14 @@ def _full_experts(mesh, params: dict, ep: int) -> dict:
     return out
 
 
-def trainer_moe(overrides: list[str], run_dir: str):
-    """The real Trainer with model=debug_moe: per step (loss, grad norm, moe metrics)."""
+def trainer_moe(overrides: list[str], run_dir: str, steps: int = 3, *, compiled: bool = False):
+    """The real Trainer with model=debug_moe: per step (loss, grad norm, moe metrics); with
+    `compiled`, also its compile summary (train.compile in `overrides`)."""
     from tests.parallel.trainer_runs import run_trainer
 
-    trainer = run_trainer(["model=debug_moe", *overrides], run_dir, steps=3)
+    trainer = run_trainer(["model=debug_moe", *overrides], run_dir, steps=steps)
     keys = ("moe_load_cv", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max",
             "moe_dropped_fraction", "moe_aux_loss", "moe_z_loss", "comm_ep_bytes")
-    return [(m["loss"], m["grad_norm"], {k: m[k] for k in keys if k in m})
-            for m in trainer.history]
+    history = [(m["loss"], m["grad_norm"], {k: m[k] for k in keys if k in m})
+               for m in trainer.history]
+    return (history, trainer.compile_watch.summary()) if compiled else history

@@ -103,3 +103,19 @@ def test_trainer_moe_compositions_follow_ep1(world2, world4, tmp_path, ep1, layo
         assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
         for key in ("moe_aux_loss", "moe_z_loss", "moe_load_cv"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5), key
+
+
+def test_compiled_moe_blocks_follow_eager_with_a_fixed_graph_count(tmp_path, ep1):
+    """train.compile=blocks with routed experts (their layers eager: data-dependent shapes):
+    the first steps follow the eager ep=1 trajectory (fp32) and 20 steps of changing routing
+    compile nothing after the second step."""
+    from tests.conftest import get_world
+
+    history, stats = get_world(1).run(h.trainer_moe, ["train.compile=blocks"], str(tmp_path),
+                                      20, compiled=True)[0]
+    for (loss1, norm1, m1), (loss2, norm2, m2) in zip(ep1, history, strict=False):
+        assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
+        assert m2["moe_aux_loss"] == pytest.approx(m1["moe_aux_loss"], rel=1e-5)
+    assert len({m["moe_tokens_per_expert_max"] for _, _, m in history}) > 1  # routing changed
+    assert 1 <= stats["compiled_graphs_train_step"] <= 8, stats
+    assert stats["recompiles_after_warmup"] == 0, stats
