@@ -141,3 +141,35 @@ def test_a_corpus_too_small_for_one_sample_is_refused_after_prepare(tmp_path):
     assert "corpus 'tiny' holds 5 tokens in the train split" in text
     assert "corpus 'tiny' holds 6 tokens in the val split" in text and "big" not in text.split(
         "(prepared data")[0]
+
+
+def test_a_prepared_mixture_read_as_tokens_draws_by_size_or_by_named_stages(tmp_path):
+    """data=tokens on a prepared mixture: without stages its corpora are drawn in proportion
+    to their train samples; data.stages weighs them by the names meta.json records, and a
+    name it does not hold is refused before launch."""
+    from hpctrain.data.dataset import open_split
+    from hpctrain.data.prepare import prepare
+    from hpctrain.train.feed import stage_weights
+    from tests.conftest import make_config
+    from tests.unit.test_corpus import jsonl_lines
+
+    for name, n in (("a", 30), ("b", 90)):
+        (tmp_path / f"{name}.jsonl").write_bytes(jsonl_lines(*[{"text": name * 40}] * n))
+    files = make_config(["train=debug", "data=files", "data.format=jsonl", "data.val_fraction=0.2",
+                         f"data.cache_dir={tmp_path / 'cache'}",
+                         f"data.mixture=[{{name: a, paths: [{tmp_path}/a.jsonl], weight: 1}},"
+                         f"{{name: b, paths: [{tmp_path}/b.jsonl], weight: 1}}]"],
+                        run_dir=str(tmp_path))
+    out = prepare(files.data)
+    sources = open_split(out, "train", seq_len=64, packing="none", batching="rows").sources
+    tokens = ["train=debug", "data.source=tokens", f"data.paths=[{out}]"]
+    by_size = stage_weights(make_config(tokens, run_dir=str(tmp_path)), sources)
+    assert by_size == [(0, [float(s.count) for s in sources])]
+    assert sources[1].count > sources[0].count
+    staged = make_config([*tokens, "data.stages=[{until_step: 5, mixture: {b: 1}}, "
+                                   "{until_step: 9, mixture: {a: 2, b: 1}}]"],
+                         run_dir=str(tmp_path))
+    assert stage_weights(staged, sources) == [(0, [0.0, 1.0]), (5 * 4, [2.0, 1.0])]
+    with pytest.raises(ValueError, match=r"data.stages\[0\].mixture names \['c'\], not corpora"):
+        make_config([*tokens, "data.stages=[{until_step: 5, mixture: {c: 1}}]"],
+                    run_dir=str(tmp_path))
