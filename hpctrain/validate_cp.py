@@ -2,7 +2,8 @@
 
 The zigzag layout (hpctrain.parallel.context.shard) cuts every row into 2·cp equal chunks, so
 the sequence length must divide by 2·cp. Activation checkpointing composes with cp (full
-reruns the ring in backward, selective leaves ring attention alone: models/checkpointing.py).
+reruns the ring in backward, selective leaves ring attention alone: models/checkpointing.py),
+and so does train.compile (dynamo breaks the graph at the ring's exchanges: models/compile.py).
 Whatever is not built yet with cp > 1 is refused here, never run silently wrong.
 """
 
@@ -29,7 +30,4 @@ def check_cp(c: Config) -> list[str]:
                     f"attention has no {c.model.attention} block yet, so each block would run "
                     "the eager math and store its scores: use model.attention=triton (its "
                     "kernels run inside the ring), sdpa or eager")
-    if c.train.compile != "none":  # ring attention's p2p inside the blocks: not tried yet
-        errs.append(f"parallel.cp={p.cp} with train.compile={c.train.compile} is not "
-                    "implemented yet: set train.compile=none")
     return errs

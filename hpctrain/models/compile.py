@@ -21,11 +21,14 @@ dynamo marks those dims dynamic (automatic_dynamic_shapes).
 Tensor-parallel collectives (hpctrain.parallel.tensor.comm) run outside the graph: each is a
 clean graph break (torch.compiler.disable), traced once, never a recompilation per step.
 
-Mixture of experts: routing makes data-dependent shapes (each expert's token count, the kept
-assignments) that change every step, so a traced MoE layer would recompile until dynamo gave
-up. Each MoE layer's forward runs eagerly instead (torch.compiler.disable, set here when
-compiling): a block is then its dense graphs around one clean break, a fixed number of
-graphs whatever the routing (tests/parallel/test_moe.py counts them over 20 steps).
+Modules whose class sets `compile_eagerly = True` run eagerly inside the compiled regions
+(their forward becomes torch.compiler.disable's, set here when compiling): a block is then its
+graphs around one clean break, a fixed number whatever they do. Mixture of experts: routing
+makes data-dependent shapes (each expert's token count, the kept assignments) that change every
+step, so a traced MoE layer would recompile until dynamo gave up (tests/parallel/test_moe.py
+counts the graphs over 20 steps). Ring attention (cp) needs no mark: dynamo breaks the graph
+at its point-to-point exchanges by itself, and a cp=2 run compiles nothing after the second
+step (tests/parallel/test_compile_parallel.py).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpctrain.models.moe import moe_layers
 from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import Documents
 
@@ -92,8 +94,9 @@ def apply_compile(model: nn.Module, mode: str, *, attention: str) -> None:
     if mode == "none":
         return
     whole = _stage_modules(model)
-    for layer in moe_layers(model):  # data-dependent shapes: eager (module docstring)
-        layer.forward = torch.compiler.disable(layer.forward)
+    for module in model.modules():  # MoE layers, ring attention: eager (module docstring)
+        if getattr(type(module), "compile_eagerly", False):
+            module.forward = torch.compiler.disable(module.forward)
     if attention in MASK_BACKENDS:
         for module in whole:
             module.register_forward_pre_hook(_prime_documents, with_kwargs=True)

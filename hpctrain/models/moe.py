@@ -166,6 +166,8 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """x_BLD → Σ_{e ∈ top-k} g_e · expert_e(x) (+ shared experts), per token."""
 
+    compile_eagerly = True  # routing's shapes change every step (hpctrain.models.compile)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.moe = cfg.moe

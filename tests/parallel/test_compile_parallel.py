@@ -1,5 +1,5 @@
 """train.compile=blocks through the real Trainer on packed documents: tp=2 with sequence
-parallelism and pp=2 (with full activation checkpointing) follow the eager single-process
+parallelism, pp=2 (with full activation checkpointing) and cp=2 follow the eager single-process
 loss trajectory (fp32), compile no graph after the second step, and report compile time.
 
 Under tp the collectives are graph breaks (hpctrain.parallel.tensor.comm), so a block is a few
@@ -34,7 +34,8 @@ def eager_trajectory(tmp_path_factory):
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=2", "parallel.sp=true"],
     ["parallel.pp=2", "train.activation_checkpointing=full"],
-], ids=["tp2_sp", "pp2_full_ac"])
+    ["parallel.cp=2"],  # dynamo breaks the graph at ring attention's exchanges
+], ids=["tp2_sp", "pp2_full_ac", "cp2"])
 def test_compiled_blocks_follow_eager(world2, tmp_path, eager_trajectory, layout):
     runs = world2.run(_compiled_run, layout, str(tmp_path))
     got = logged_trajectory([trajectory for trajectory, _ in runs])

@@ -105,6 +105,7 @@ def test_compile_mode_is_a_checked_choice():
         make_config(["train.compile=block"])
 
 
-def test_compile_with_context_parallelism_is_refused():
-    with pytest.raises(ValueError, match="parallel.cp=2 with train.compile=blocks"):
-        make_config(["parallel.cp=2", "train.compile=blocks", "cluster.procs_per_node=2"])
+def test_compile_with_context_parallelism_validates():
+    """Composed and tested in tests/parallel/test_compile_parallel.py (cp2)."""
+    cfg = make_config(["parallel.cp=2", "train.compile=blocks", "cluster.procs_per_node=2"])
+    assert (cfg.parallel.cp, cfg.train.compile) == (2, "blocks")
