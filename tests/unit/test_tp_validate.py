@@ -43,11 +43,10 @@ def test_zero_with_pp_accepted_up_to_stage_2(tmp_path):
     assert make_config(PP + ["parallel.zero=2"], run_dir=tmp_path).parallel.zero == 2
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["parallel.zero=3"], r"parallel.zero=3 with parallel.pp=2 .* use parallel.zero=1 or 2"),
-    (["parallel.zero=1", "parallel.offload=cpu"],
-     r"parallel.offload='cpu' .* with parallel.tp=1 or parallel.pp=2 .* leave offload=none"),
-])
-def test_zero_with_pp_refusals(overrides, match, tmp_path):
-    with pytest.raises(ValueError, match=match):
-        make_config(PP + overrides, run_dir=tmp_path)
+def test_zero3_with_pp_is_refused_and_offload_accepted(tmp_path):
+    with pytest.raises(ValueError, match=r"parallel.zero=3 with parallel.pp=2 .* use "
+                                         r"parallel.zero=1 or 2"):
+        make_config(PP + ["parallel.zero=3"], run_dir=tmp_path)
+    cfg = make_config(PP + ["parallel.zero=1", "parallel.offload=cpu",
+                            "parallel.grad_comm_dtype=bf16"], run_dir=tmp_path)
+    assert (cfg.parallel.offload, cfg.parallel.grad_comm_dtype) == ("cpu", "bf16")
