@@ -51,14 +51,14 @@ def _layer_counts(layers, stats, *, device: torch.device) -> torch.Tensor:
 
 
 def moe_metrics(model: nn.Module, *, group, device: torch.device, pp_group,
-                sp_group=None) -> dict[str, Any]:
+                sp_group) -> dict[str, Any]:
     """The step's `moe_*` metrics (module docstring); {} without MoE layers. Collective over
     `group` (the dp×cp group): every rank of it calls this after every step. `pp_group`: the
     pipeline group (one rank without pp); with stages each rank holds only its stages'
     layers, so the per-layer sums and extremes are combined over it (every pp rank calls,
     also one whose stages hold no MoE layer), giving the whole model's numbers. `sp_group`:
     the tp group under sequence parallelism, whose ranks route parts of the same rows (their
-    counts add; their aux and z are the micro-batch's already)."""
+    counts add; their aux and z are the micro-batch's already), else None."""
     layers = moe_layers(model)
     if not layers and group_size(pp_group) == 1:
         return {}

@@ -83,9 +83,10 @@ def capacity(moe: MoEConfig, tokens: int) -> int:
     return math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts)
 
 
-def route(logits_TE: torch.Tensor, moe: MoEConfig, *, group=None) -> Routing:
+def route(logits_TE: torch.Tensor, moe: MoEConfig, *, group) -> Routing:
     """Top-k routing of T tokens (module docstring: gates, aux, z, capacity dropping);
-    `group`: the ranks holding the rest of the micro-batch's tokens (cp), or None."""
+    `group`: the ranks holding the rest of the micro-batch's tokens (cp, sp), or None (this
+    rank holds them all)."""
     T, E = logits_TE.shape
     logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     scores_TE = logits_TE.softmax(-1) if moe.router == "softmax" else logits_TE.sigmoid()

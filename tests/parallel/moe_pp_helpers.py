@@ -98,7 +98,7 @@ def ep_pp_trajectory(schedule: str, *, steps: int = 3, dp: int = 2, ep: int = 2,
     for step in range(steps):
         mbs = rank_micro_batches(step, dp=dp, rank=dp_rank, accum=m, vocab=cfg.model.vocab_size)
         pipeline.train_step(state.engine, mbs, scaler=LossScaler(enabled=False), grad_clip=1.0)
-        got = moe_metrics(state.model, group=mesh.group("dp"), device=mesh.device,
+        got = moe_metrics(state.model, group=mesh.group("dp"), device=mesh.device, sp_group=None,
                           pp_group=mesh.group("pp"))
         every = [b for r in range(dp)
                  for b in rank_micro_batches(step, dp=dp, rank=r, accum=m,

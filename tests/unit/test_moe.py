@@ -39,7 +39,7 @@ def test_active_flops_match_counted_flops():
 def test_softmax_gates_renormalise_and_aux_is_switch_form():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     m = MoEConfig(num_experts=4, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.25)
-    r = route(logits, m)
+    r = route(logits, m, group=None)
     p = logits.softmax(-1)
     top, idx = p.topk(2, dim=-1)
     gates = top / top.sum(-1, keepdim=True)
@@ -55,9 +55,9 @@ def test_softmax_gates_renormalise_and_aux_is_switch_form():
 
 def test_top1_keeps_the_raw_probability_and_sigmoid_normalises_scores():
     logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    r = route(logits, MoEConfig(num_experts=4, top_k=1))
+    r = route(logits, MoEConfig(num_experts=4, top_k=1), group=None)
     assert torch.allclose(r.gate_A.sort().values, logits.softmax(-1).max(-1).values.sort().values)
-    s = route(logits, MoEConfig(num_experts=4, top_k=2, router="sigmoid"))
+    s = route(logits, MoEConfig(num_experts=4, top_k=2, router="sigmoid"), group=None)
     top = logits.sigmoid().topk(2, dim=-1).values
     assert torch.allclose(s.gate_A.sort().values, (top / top.sum(-1, True)).flatten().sort().values)
 
@@ -65,7 +65,7 @@ def test_top1_keeps_the_raw_probability_and_sigmoid_normalises_scores():
 def test_capacity_drops_the_lowest_scores_deterministically():
     # every token prefers expert 0; capacity ceil(0.5 · 4 · 1 / 2) = 1 keeps the top score
     logits = torch.tensor([[1.0, 0.0], [3.0, 0.0], [2.0, 0.0], [3.0, 0.0]])
-    r = route(logits, MoEConfig(num_experts=2, top_k=1, capacity_factor=0.5))
+    r = route(logits, MoEConfig(num_experts=2, top_k=1, capacity_factor=0.5), group=None)
     assert r.token_A.tolist() == [1]  # tokens 1 and 3 tie at the top: the lower index wins
     assert r.routed_E.tolist() == [4, 0] and r.counts_E.tolist() == [1, 0]
 
