@@ -8,6 +8,9 @@ of 3 forward+backward passes of one micro-batch (B=1). cp ranks are spawned gloo
 as an upper bound.
 
     python benchmarks/bench_cp.py --out benchmarks/results/cp.md
+
+`--compile-at L` instead prints cp = 1 and 2 at length L with train.compile none and blocks
+(each block compiled: the first step compiles and is not timed; median of 15 steps).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from common import bench_config, median, spawn
 
 from hpctrain.models import build_model
+from hpctrain.models.compile import apply_compile
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm
 from hpctrain.parallel.context.shard import shard_micro_batch
@@ -49,11 +53,13 @@ def saved_bytes(fn, *, params) -> tuple[int, object]:
 
 
 def _measure(rank: int, world: int, args) -> dict:
-    L, layers = args
+    L, layers, *rest = args
+    mode, repeats = rest if rest else ("none", 3)
     cfg = bench_config(layers=layers, dim=128, seq=L)
     model = build_model(cfg, seed=0)
     comm = RingComm(dist.group.WORLD, timeout=datetime.timedelta(seconds=120), backend="sdpa")
     apply_context_parallel(model, comm)
+    apply_compile(model, mode, attention=cfg.attention)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, L + 1), generator=g)
     inp, tgt, docs = shard_micro_batch(tokens[:, :-1], tokens[:, 1:], None, rank=rank, cp=world)
@@ -65,7 +71,7 @@ def _measure(rank: int, world: int, args) -> dict:
     act, first = saved_bytes(loss, params=model.parameters())  # the first step's forward, measured
     first.backward()
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
         loss().backward()
@@ -94,11 +100,28 @@ def _torch_cp(rank: int, world: int, args) -> dict:
                 "where": traceback.format_exc().splitlines()[-3].strip()[:200]}
 
 
+def compile_rows(L: int, layers: int) -> str:
+    rows = ["| L | cp | train.compile | fwd+bwd ms | vs none | activation MiB / rank |",
+            "|---|---|---|---|---|---|"]
+    for cp in (1, 2):
+        base = None
+        for mode in ("none", "blocks"):
+            r = spawn(_measure, (L, layers, mode, 15), world=cp)
+            base = base or r
+            rows.append(f"| {L} | {cp} | {mode} | {r['step_s'] * 1e3:.0f} | "
+                        f"{r['step_s'] / base['step_s']:.2f}× | {r['act_bytes'] / 2**20:.2f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--compile-at", type=int, default=0)
     a = parser.parse_args()
+    if a.compile_at:
+        print(compile_rows(a.compile_at, a.layers))
+        return
     rows = []
     for L in LENGTHS:
         base = None

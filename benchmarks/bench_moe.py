@@ -12,6 +12,10 @@ step), and per-rank bytes: expert parameters (should fall as 1/ep) and the engin
 (parameters + gradients + optimizer state).
 
     python benchmarks/bench_moe.py --world 4 --steps 6
+
+`--recompute none,selective,full` instead measures the MoE at ep = world under each activation
+checkpointing mode: step time and the peak of saved-for-backward bytes of a step (the
+trainer's ActivationMeter; parameters left out), max over ranks.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from benchmarks.common import bench_config, spawn  # noqa: E402
 from hpctrain.config import OptimConfig  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
+from hpctrain.metrics.activations import ActivationMeter  # noqa: E402
 from hpctrain.models import build_model  # noqa: E402
+from hpctrain.models.checkpointing import apply_activation_checkpointing  # noqa: E402
 from hpctrain.models.config import MoEConfig  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
@@ -59,37 +65,45 @@ def layouts(world: int) -> list[tuple[str, int]]:
     return [("dense", 1)] + [(f"moe ep={ep}", ep) for ep in (1, 2, 4) if world % ep == 0]
 
 
-def run_layout(name: str, ep: int, rank: int, world: int, args) -> dict:
-    base = bench_config(layers=4, dim=args.dim, seq=args.seq)
+def run_layout(name: str, ep: int, rank: int, world: int, args,
+               recompute: str = "none") -> dict:
+    base = bench_config(layers=4, dim=args.dim, seq=args.seq).with_(attention=args.attention)
     cfg = base if name == "dense" else base.with_(moe=MoEConfig(
         num_experts=8, top_k=2, every=1, expert_ffn_dim=base.ffn_dim // 2))
     mesh = build_mesh(ParallelDims(dp=world, ep=ep), rank=rank, device=torch.device("cpu"))
     model = build_model(cfg, seed=0)
     experts = apply_expert_parallel(model, mesh)
+    apply_activation_checkpointing(model, recompute)
+    meter = ActivationMeter(model.parameters())
     engine = DataParallel(model, group=mesh.dp_cp, batch_group=mesh.dp_cp,
                           zero=1, precision="fp32", optim=OPTIM,
                           experts=experts, norm=NormSpec())
     timer = A2ATimer()
     dispatch.dist.all_to_all_single = timer
-    times, shares = [], []
+    times, shares, saved = [], [], []
     try:
         for step in range(args.warmup + args.steps):
             g = torch.Generator().manual_seed(1000 * step + rank)
             t = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1), generator=g)
             dist.barrier()
+            meter.reset()
             timer.seconds, t0 = 0.0, time.perf_counter()
-            engine.train_step([(t[:, :-1], t[:, 1:])], n_micro=1, precision="fp32",
-                              scaler=LossScaler(enabled=False), grad_clip=1.0)
-            dt = torch.tensor([time.perf_counter() - t0, timer.seconds], dtype=torch.float64)
+            with meter:
+                engine.train_step([(t[:, :-1], t[:, 1:])], n_micro=1, precision="fp32",
+                                  scaler=LossScaler(enabled=False), grad_clip=1.0)
+            dt = torch.tensor([time.perf_counter() - t0, timer.seconds, meter.peak_bytes],
+                              dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
                 times.append(float(dt[0]))
                 shares.append(float(dt[1] / dt[0]))
+                saved.append(int(dt[2]))
     finally:
         dispatch.dist.all_to_all_single = timer._orig
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if ".experts." in n)
-    return {"layout": name, "active_params": cfg.num_params(active=True),
+    return {"layout": name, "recompute": recompute, "saved_bytes": max(saved),
+            "active_params": cfg.num_params(active=True),
             "total_params": cfg.num_params(), "step_s": statistics.median(times),
             "a2a_share": statistics.median(shares), "expert_bytes_per_rank": expert_bytes,
             "state_bytes_per_rank": sum(v for k, v in engine.ledger().items()
@@ -98,7 +112,21 @@ def run_layout(name: str, ep: int, rank: int, world: int, args) -> dict:
 
 
 def bench(rank: int, world: int, args) -> list[dict]:
+    if args.recompute:
+        return [run_layout(f"moe ep={world}", world, rank, world, args, mode)
+                for mode in args.recompute.split(",")]
     return [run_layout(name, ep, rank, world, args) for name, ep in layouts(world)]
+
+
+def recompute_table(rows: list[dict]) -> str:
+    first = rows[0]
+    lines = ["| layout | recompute | step (ms) | vs first | saved activations (MiB / rank) | "
+             "vs first |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['recompute']} | {1e3 * r['step_s']:.1f} | "
+                     f"{r['step_s'] / first['step_s']:.2f}× | {r['saved_bytes'] / 2**20:.2f} | "
+                     f"{r['saved_bytes'] / first['saved_bytes']:.2f}× |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -121,8 +149,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--attention", default="sdpa", help="model.attention (eager keeps "
+                        "the score matrix for backward, which selective recompute drops)")
+    parser.add_argument("--recompute", default="",
+                        help="e.g. none,selective,full: the MoE at ep=world under each mode")
     args = parser.parse_args()
-    print(table(spawn(bench, args, world=args.world)))
+    rows = spawn(bench, args, world=args.world)
+    print(recompute_table(rows) if args.recompute else table(rows))
 
 
 if __name__ == "__main__":
