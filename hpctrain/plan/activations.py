@@ -15,6 +15,17 @@ h model width, K·d key/value width, N heads, f MLP width, t tp:
   SwiGLU         w1 and w3 outputs, silu(w1), their product (4·e·f/t)
   full recompute only each layer's input (e·h, /t under sp) plus one layer's set while it is
                  recomputed
+A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per token it routes
+(all T under tp, T/t under sp, whose MoE block runs on the sequence shard with no gathered
+norm input), E experts, k' expert slots per token (top_k dropless, an upper bound of
+capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
+  router         fp32 logits and scores (8·E), the top-k scores and ids (12·k), lse and the
+                 gate sum (8); under 16-bit autocast the router's input cast (e·h)
+  per slot       the dispatched row and the expert output (2·e·h), the expert's SwiGLU
+                 (4·e·f_e), its token id, kept-slot id and gate (20); with ep > 1 the received
+                 rows' order (8): the rows a rank receives are its own count under uniform
+                 routing, the stated bound (routing is data-dependent)
+  shared         4·e·s·f_e
 Outside the layers, on the first stage: the token ids (8 bytes) and the RoPE tables of the
 microbatch (cos and sin, 2·4·d per token, shared by every layer); on the last stage: the final
 norm (as above), the logits (e·V/t) and the loss's fp32 log-softmax (4·V/t). The busiest stage
@@ -31,39 +42,69 @@ def _norm(h: float, e: int) -> float:
 
 
 def layer_bytes_per_token(model: ModelConfig, *, seq_len: int, tp: int, sp: bool,
-                          precision: str) -> float:
-    """Saved bytes of one block per token of a microbatch, no recomputation (module doc)."""
+                          precision: str, moe_block: bool = False, ep: int = 1) -> float:
+    """Saved bytes of one block per token of a microbatch, no recomputation (module doc);
+    `moe_block`: a block whose MLP is the mixture of experts."""
     e = 4 if precision == "fp32" else 2
     h, n, f, t = model.dim, model.n_heads, model.ffn_dim, tp
     kv = model.n_kv_heads * model.head_dim
-    norms = 2 * (_norm(h, e) / (t if sp else 1) + (e * h if sp and t > 1 else 0))
+    gathered = e * h if sp and t > 1 else 0  # a norm's all-gathered output under sp
+    norms = 2 * _norm(h, e) / (t if sp else 1) + gathered * (1 if moe_block else 2)
     attn = e * (2 * h + 2 * kv) / t + 4 * n / t
     if getattr(model, "attention", "sdpa") == "eager":
         attn += 2 * e * n / t * seq_len
+    if moe_block:
+        return norms + attn + moe_bytes_per_token(model, precision=precision, ep=ep) / (
+            t if sp else 1)
     return norms + attn + 4 * e * f / t
+
+
+def moe_bytes_per_token(model: ModelConfig, *, precision: str, ep: int = 1) -> float:
+    """Saved bytes of one mixture-of-experts MLP per token it routes (module doc)."""
+    e = 4 if precision == "fp32" else 2
+    m, h, f = model.moe, model.dim, model.expert_ffn_dim
+    slots = m.top_k * m.capacity_factor if m.capacity_factor > 0 else float(m.top_k)
+    router = 8 * m.num_experts + 12 * m.top_k + 8 + (0 if e == 4 else e * h)
+    per_slot = 2 * e * h + 4 * e * f + 20 + (8 if ep > 1 else 0)
+    return router + slots * per_slot + 4 * e * m.shared_experts * f
+
+
+def mean_layer_bytes_per_token(model: ModelConfig, **kw) -> tuple[float, float]:
+    """(mean, largest) saved bytes per token of the model's blocks, dense and MoE
+    (`layer_bytes_per_token`); a stage's blocks are taken as the model's mix."""
+    dense = layer_bytes_per_token(model, **kw)
+    if not model.moe.enabled:
+        return dense, dense
+    moe = layer_bytes_per_token(model, moe_block=True, **kw)
+    share = model.n_moe_layers / model.n_layers
+    return (1 - share) * dense + share * moe, max(dense, moe)
 
 
 def stage_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size: int,
                            tp: int, sp: bool, pp: int, layers_per_chunk: float,
                            in_flight: tuple[int, ...], recompute: str,
-                           precision: str) -> dict[str, float]:
+                           precision: str, ep: int = 1, chunks: int = 1) -> dict[str, float]:
     """Peak saved bytes on the first and on the last pipeline stage (the same stage when
     pp = 1). in_flight: (microbatch, chunk) sets alive at the peak of each pipeline rank,
-    first to last (the simulator's, `plan.bubble.in_flight_by_rank`)."""
+    first to last (the simulator's, `plan.bubble.in_flight_by_rank`), of `chunks` model
+    chunks per rank (virtual stages)."""
     e = 4 if precision == "fp32" else 2
     tokens = micro_batch_size * seq_len
-    per_layer = tokens * layer_bytes_per_token(model, seq_len=seq_len, tp=tp, sp=sp,
-                                               precision=precision)
+    mean, largest = mean_layer_bytes_per_token(model, seq_len=seq_len, tp=tp, sp=sp,
+                                               precision=precision, ep=ep)
+    per_layer, recomputed = tokens * mean, tokens * largest
     stored_input = tokens * e * model.dim / (tp if sp else 1)
 
     def stored(sets: int) -> float:
         if recompute == "full":  # layer inputs, plus the layer being recomputed
-            return sets * layers_per_chunk * stored_input + per_layer
+            return sets * layers_per_chunk * stored_input + recomputed
         return sets * layers_per_chunk * per_layer
 
     first = stored(in_flight[0]) + in_flight[0] * tokens * (8 + 2 * 4 * model.head_dim)
     head = tokens * (_norm(model.dim, e) + (e + 4) * model.vocab_size / tp + 8)
     if pp == 1:
         return {"first": first + head, "last": first + head}
-    # the last stage keeps each microbatch's logits until its backward, like its layers
-    return {"first": first, "last": stored(in_flight[-1]) + in_flight[-1] * head}
+    # the last stage keeps each microbatch's logits until its backward, like its layers; only
+    # the sets of the last of its `chunks` model chunks hold them
+    heads = -(-in_flight[-1] // chunks)
+    return {"first": first, "last": stored(in_flight[-1]) + heads * head}

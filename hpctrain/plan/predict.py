@@ -11,13 +11,12 @@ is checked on every run). The cluster the step time uses (`run_cluster`), in ord
      projection in the training precision (the "peak" is then measured GEMM throughput;
      achievable_fraction still applies), with the LOCAL_* link constants.
 
-Memory: tp = pp = 1 layouts run on the flat engine, predicted exactly with its padding
-(`hpctrain.plan.flat_states`); tp or pp layouts keep fp32 parameters under autocast and
-use torch's AdamW, so they get `model_state_bytes(Ψ_rank, precision='fp32')` — an estimate:
-norm weights are counted as split over tp and AdamW's per-tensor step counters are left out.
-Models with routed experts get the analytical `rank_state_bytes` (experts 1/ep, their ZeRO
-states over dp/ep) in the same precisions: the flat engine's expert units are not modelled
-element by element.
+Memory: the planner's one model (`hpctrain.plan.rank_memory`), the one the layout search,
+`parallel=auto` and the pre-launch check use: every layout runs on the flat engine, whose
+units are predicted exactly with their padding on the rank's tp slices and pipeline chunks
+(`hpctrain.plan.flat_states`); routed experts get the analytical `rank_state_bytes` (experts
+1/ep, their ZeRO states over dp/ep): the engine's expert units are not modelled element by
+element.
 """
 
 from __future__ import annotations
@@ -29,19 +28,11 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
-from hpctrain.plan.activations import stage_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.experts import is_moe
-from hpctrain.plan.flat_states import flat_state_bytes
-from hpctrain.plan.memory import (
-    ModelStates,
-    model_state_bytes,
-    rank_state_bytes,
-    state_bytes_per_param,
-)
-from hpctrain.plan.shapes import rank_params
+from hpctrain.plan.memory import ModelStates
+from hpctrain.plan.rank_memory import StepShape, engine_states, rank_memory, stage_activations
 from hpctrain.plan.task import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.time import step_time
 
@@ -63,37 +54,24 @@ def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSp
                          achievable_fraction=c.achievable_fraction)
 
 
+def step_shape(cfg: Config) -> StepShape:
+    t = cfg.train
+    return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+                     microbatches=cfg.grad_accum, recompute=t.activation_checkpointing,
+                     precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
+                     checkpoint_async=cfg.train.checkpoint_async)
+
+
 def predicted_states(cfg: Config) -> ModelStates:
-    """Model-state bytes on the busiest rank of `cfg`'s layout (module docstring)."""
-    p = cfg.parallel
-    if is_moe(cfg.model):
-        flat = p.tp == 1 and p.pp == 1
-        return rank_state_bytes(cfg.model, layout_of(cfg),
-                                precision=cfg.train.precision if flat else "fp32")
-    shards = p.dims.shard_size  # the engine ZeRO-shards over dp×cp (one replica's, HSDP)
-    if p.tp == 1 and p.pp == 1:
-        return flat_state_bytes(cfg.model, dp=shards, zero=p.zero,
-                                precision=cfg.train.precision, bucket_mb=p.bucket_mb,
-                                offload=p.offload)
-    psi = rank_params(cfg.model, tp=p.tp, pp=p.pp)
-    return model_state_bytes(psi, dp=shards, zero=p.zero, precision="fp32", offload=p.offload)
+    """Model-state bytes on the busiest rank of `cfg`'s layout (`plan.rank_memory`)."""
+    return engine_states(cfg.model, layout_of(cfg), step_shape(cfg))
 
 
 def predicted_activations(cfg: Config) -> dict[str, float]:
     """Saved-for-backward bytes at the peak of a step on the first and the last pipeline stage
-    (`hpctrain.plan.activations`; the logging rank is a last stage)."""
-    p, t = cfg.parallel, cfg.train
-    layout = layout_of(cfg)
-    acts = stage_activation_bytes(
-        cfg.model, seq_len=t.seq_len // p.cp, micro_batch_size=t.micro_batch_size, tp=p.tp,
-        sp=p.sp, pp=p.pp, layers_per_chunk=cfg.model.n_layers / (p.pp * layout.virtual_stages),
-        in_flight=_in_flight(cfg, layout), recompute=t.activation_checkpointing,
-        precision=t.precision)
-    if p.zero == 3 and p.dims.shard_size > 1:  # every block's gathered weights, saved until B
-        gathered = rank_params(cfg.model, tp=p.tp, pp=p.pp) * state_bytes_per_param(
-            t.precision)[0]
-        acts = {stage: value + gathered for stage, value in acts.items()}
-    return acts
+    (`plan.rank_memory`; the logging rank is a last stage)."""
+    return stage_activations(cfg.model, layout_of(cfg), step_shape(cfg),
+                             in_flight=_in_flight(cfg, layout_of(cfg)))
 
 
 def _in_flight(cfg: Config, layout) -> tuple[int, ...]:
@@ -103,13 +81,15 @@ def _in_flight(cfg: Config, layout) -> tuple[int, ...]:
 
 
 def predicted_peak(cfg: Config) -> dict[str, float]:
-    """Bytes on the busiest rank: model states (`predicted_states`) + activations (the larger
-    stage), and the logging rank's activations for the run's comparison."""
-    states, acts = predicted_states(cfg), predicted_activations(cfg)
-    busiest = max(acts.values())
-    return {"states": states.total, "activations": busiest, "total": states.total + busiest,
-            "logging_rank_activations": acts["last"],
-            "logging_rank_total": states.total + acts["last"]}
+    """Bytes on the busiest rank (`plan.rank_memory`, the model the layout search uses):
+    model states, activations (the larger stage), buffers and their total; and the logging
+    rank's states + activations for the run's comparison with its ledger."""
+    layout = layout_of(cfg)
+    mem = rank_memory(cfg.model, layout, step_shape(cfg), in_flight=_in_flight(cfg, layout))
+    states, acts = mem.params + mem.grads + mem.optimizer, predicted_activations(cfg)
+    return {"states": states, "activations": mem.activations, "buffers": mem.buffers,
+            "total": mem.total, "logging_rank_activations": acts["last"],
+            "logging_rank_total": states + acts["last"]}
 
 
 def predicted_step_time(cfg: Config, cluster: ClusterSpec):

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from hpctrain.plan.bubble import in_flight_microbatches
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
-from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown
+from hpctrain.plan.memory import MemoryBreakdown
+from hpctrain.plan.rank_memory import StepShape, rank_memory
 from hpctrain.plan.shapes import Shape
 from hpctrain.plan.stack import NONE, Stack
 from hpctrain.plan.time import StepTime, step_time
@@ -101,20 +101,19 @@ def _replicas(dp: int, inner: int, ep: int, zero: int, gpus_per_node: int) -> tu
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
                     attended_per_token: float | None = None, fp8: bool = False,
-                    exact: bool = True, ov: Stack = NONE) -> Candidate:
-    """Memory and time of one layout. in_flight: activation sets alive at the peak (from the
-    pipeline simulator); None takes the closed form `in_flight_microbatches`.
-    attended_per_token: keys per token under document masks (`plan.time.step_time`).
+                    exact: bool = True, ov: Stack = NONE, bucket_mb: float = 25.0
+                    ) -> Candidate:
+    """Memory (the one model, `plan.rank_memory`) and time of one layout. in_flight:
+    activation sets alive at the peak on every pipeline rank; None takes the schedule's, rank
+    by rank. attended_per_token: keys per token under document masks (`plan.time.step_time`).
     fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies.
     exact=False: the step time without the pipeline's bubble (a lower bound, not simulated).
     ov: the communication the stack overlaps (`hpctrain.plan.stack`)."""
     m = global_batch // (micro_batch_size * layout.dp)
-    if in_flight is None:
-        in_flight = in_flight_microbatches(layout.schedule, pp=layout.pp, m=m,
-                                           v=layout.virtual_stages)
-    mem = memory_breakdown(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                           in_flight=in_flight, recompute=recompute, precision=precision,
-                           fp8=fp8)
+    step = StepShape(seq_len=seq_len, micro_batch_size=micro_batch_size, microbatches=m,
+                     recompute=recompute, precision=precision, fp8=fp8, bucket_mb=bucket_mb)
+    mem = rank_memory(model, layout, step,
+                      in_flight=None if in_flight is None else (in_flight,) * layout.pp)
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
                   precision=precision, dp_overlap=dp_overlap,

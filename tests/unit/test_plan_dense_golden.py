@@ -1,7 +1,11 @@
 """Dense plans are bit-identical to the golden: every memory and time number of searches on
 existing presets equals tests/golden/plan_dense.json, written by the planner of main 38ad30c
 and regenerated for issue 31 (per-generation constants, causal flash attention, the fp32
-cross entropy, NCCL's link shares: same memory, same winners, step times -0.1% to +38%).
+cross entropy, NCCL's link shares: same memory, same winners, step times -0.1% to +38%),
+and for issue 26 (one memory model, plan.rank_memory: the search counts hpctrain's engine
+units and blocks for its own models: model states equal, activations 1.0-45× the GPT table's
+(sp's gathered norm outputs, the logits of the last stage, ZeRO-3's gathered weights), 8
+llama3_8b pipeline layouts no longer fit, same winners; GPT shapes unchanged).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 

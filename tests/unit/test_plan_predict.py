@@ -108,3 +108,32 @@ def test_predicted_states_shard_over_dp_times_cp(tmp_path, pp):
     one = make_config([*base, f"cluster.procs_per_node={pp}"], run_dir=tmp_path / "one")
     assert predicted_states(cp2) == predicted_states(dp2)
     assert predicted_states(cp2).optimizer < predicted_states(one).optimizer
+
+
+@pytest.mark.parametrize("over", [
+    [], ["parallel.dp=2", "parallel.zero=3"], ["parallel.tp=2", "parallel.sp=true"],
+    ["parallel.pp=2", "train.global_batch_size=16", "train.activation_checkpointing=full"],
+    ["model=debug_moe", "parallel.dp=2", "parallel.ep=2", "train.precision=bf16"],
+], ids=["single", "zero3", "tp2_sp", "pp2_full", "moe_ep2"])
+def test_search_and_run_prediction_are_one_model(over, tmp_path):
+    """The layout search (task=plan, parallel=auto) scores a layout with the same bytes the
+    pre-launch check and the run's prediction use (plan.rank_memory), so `fits` is one
+    verdict: the candidate of the config's own layout equals predicted_peak term by term."""
+    from hpctrain.plan.cluster import dgx_h100_cluster
+    from hpctrain.plan.predict import predicted_peak, predicted_states
+    from hpctrain.plan.search import evaluate_layout
+    from hpctrain.plan.task import layout_of
+    from tests.conftest import make_config
+
+    n = 2 if over else 1
+    cfg = make_config(["model=debug", "train=debug", f"cluster.procs_per_node={n}", *over],
+                      run_dir=tmp_path)
+    t = cfg.train
+    c = evaluate_layout(cfg.model, dgx_h100_cluster(), layout_of(cfg),
+                        t.activation_checkpointing, global_batch=t.global_batch_size,
+                        micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                        precision=t.precision, dp_overlap=0.0, bucket_mb=cfg.parallel.bucket_mb)
+    peak, states = predicted_peak(cfg), predicted_states(cfg)
+    assert (c.memory.params, c.memory.grads, c.memory.optimizer) == (
+        states.params, states.grads, states.optimizer)
+    assert c.memory.activations == peak["activations"] and c.memory.total == peak["total"]

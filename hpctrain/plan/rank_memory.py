@@ -1,0 +1,107 @@
+"""The planner's one memory model: the bytes one rank of a layout holds at the peak of a step.
+
+`task=plan` and `parallel=auto` (the layout search), the pre-launch check and the prediction a
+run logs beside its measured ledger all call `rank_memory`, and judge fits with `fits` against
+the same usable memory (`MemoryBreakdown.fits` against the limit less plan.headroom), so they
+never disagree.
+
+For the models hpctrain trains (`ModelConfig`) it counts what hpctrain's engine and blocks
+hold, term by term:
+  states       the flat engine's units on the busiest rank, with their padding
+               (`plan.flat_states`: tp slices, pipeline chunks, ZeRO over the shard group,
+               16-bit parameters and gradients with fp32 masters and moments, or fp32 ones);
+               routed experts by `plan.memory.rank_state_bytes` (1/ep per rank)
+  activations  what the blocks save for backward on the busier of the first and the last
+               pipeline stage (`plan.activations`, mixture-of-experts blocks included at the
+               stated capacity bound), in flight as the schedule keeps them
+               (`plan.bubble.in_flight_by_rank`), under the recompute policy; under ZeRO-3
+               each block's gathered weights stay saved until its backward
+  buffers      FP8 weight copies. The engine reduces gradients in its units' own buffers (no
+               separate bucket), and ZeRO-3's gathered blocks are the activations' term above
+  host         offloaded optimizer state; `staging` an asynchronous save's host copy
+For other shapes (`GPTShape`: the models of Megatron's papers, which hpctrain does not build)
+the published formulas of `plan.memory` stand in, as those papers count them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.models.config import ModelConfig
+from hpctrain.plan.activations import stage_activation_bytes
+from hpctrain.plan.bubble import in_flight_by_rank
+from hpctrain.plan.experts import is_moe
+from hpctrain.plan.flat_states import flat_state_bytes
+from hpctrain.plan.layout import Layout
+from hpctrain.plan.memory import (
+    MemoryBreakdown,
+    checkpoint_staging_bytes,
+    fp8_buffer_bytes,
+    memory_breakdown,
+    rank_state_bytes,
+    state_bytes_per_param,
+)
+from hpctrain.plan.shapes import rank_params
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a training step holds beyond its layout: the micro-batch, how many of them a step
+    accumulates (a pipeline's schedule keeps several in flight), recomputation, precision."""
+
+    seq_len: int
+    micro_batch_size: int
+    microbatches: int = 1
+    recompute: str = "none"
+    precision: str = "bf16"
+    fp8: bool = False
+    bucket_mb: float = 25.0
+    checkpoint_async: bool = True
+
+
+def rank_memory(model, layout: Layout, step: StepShape, *,
+                in_flight: tuple[int, ...] | None = None) -> MemoryBreakdown:
+    """Bytes on the busiest rank of `layout` (module docstring). `in_flight`: activation sets
+    alive at the peak on each pipeline rank, first to last; None takes the schedule's."""
+    if in_flight is None:
+        in_flight = in_flight_by_rank(layout.schedule, pp=layout.pp, m=step.microbatches,
+                                      v=layout.virtual_stages)
+    if not isinstance(model, ModelConfig):
+        return memory_breakdown(
+            model, layout, seq_len=step.seq_len, micro_batch_size=step.micro_batch_size,
+            in_flight=max(in_flight), recompute=step.recompute, precision=step.precision,
+            fp8=step.fp8, checkpoint_async=step.checkpoint_async)
+    states = engine_states(model, layout, step)
+    acts = max(stage_activations(model, layout, step, in_flight=in_flight).values())
+    buffers = fp8_buffer_bytes(model, layout, in_flight=max(in_flight),
+                               recompute=step.recompute) if step.fp8 else 0.0
+    return MemoryBreakdown(
+        params=states.params, grads=states.grads, optimizer=states.optimizer,
+        activations=acts, buffers=buffers, host=states.host,
+        staging=checkpoint_staging_bytes(model, layout) if step.checkpoint_async else 0.0)
+
+
+def engine_states(model: ModelConfig, layout: Layout, step: StepShape):
+    """Model-state bytes of the flat engine on the busiest rank (module docstring)."""
+    if is_moe(model):
+        return rank_state_bytes(model, layout, precision=step.precision)
+    return flat_state_bytes(model, dp=layout.dims.shard_size, zero=layout.zero,
+                            precision=step.precision, bucket_mb=step.bucket_mb,
+                            offload=layout.offload, tp=layout.tp, pp=layout.pp,
+                            virtual_stages=layout.virtual_stages, schedule=layout.schedule)
+
+
+def stage_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
+                      in_flight: tuple[int, ...]) -> dict[str, float]:
+    """Saved-for-backward bytes at the peak on the first and the last pipeline stage."""
+    acts = stage_activation_bytes(
+        model, seq_len=step.seq_len // layout.cp, micro_batch_size=step.micro_batch_size,
+        tp=layout.tp, sp=layout.sp, pp=layout.pp,
+        layers_per_chunk=model.n_layers / (layout.pp * layout.virtual_stages),
+        in_flight=in_flight, recompute=step.recompute, precision=step.precision, ep=layout.ep,
+        chunks=layout.virtual_stages)
+    if layout.zero == 3 and layout.dims.shard_size > 1:  # gathered weights, saved until B
+        gathered = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(
+            step.precision)[0]
+        acts = {stage: value + gathered for stage, value in acts.items()}
+    return acts
