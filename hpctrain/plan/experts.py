@@ -10,23 +10,20 @@ replicated over the dp/ep ep-groups and over cp. With Ψ_E = n_moe_layers · E �
   dense Ψ per rank   everything else: attention, norms, router, shared experts (`rank_params`)
   ZeRO               expert states shard over the (dp/ep)·cp ranks holding the same experts,
                      dense states over dp·cp; gradients reduce over the same groups
-Routed activations, per MoE block per micro-batch, 16-bit (added to the Korthikanti layer of
-memory.py, whose MLP terms stand in for the router and the shared experts):
-  k'·T·(2h + 3·f_e)·2 bytes + T·E·4 bytes
-  T tokens on the rank = b·s/cp (/t under sp), k' = top_k dropless, capacity_factor·top_k with
-  a capacity (expert buffers sized to capacity): the dispatched copy of each routed token, the
-  expert's w1 and w3 outputs and their SwiGLU product, the expert output before the weighted
-  combine, and the fp32 router probabilities.
+Routed activations (the router, each routed slot's row and expert SwiGLU) are counted with
+the blocks' other saved tensors in `hpctrain.plan.activations`.
 All-to-all (time: `plan.time.ep_comm_s`): 4 per MoE block per micro-batch (dispatch and
 combine, forward and backward; 6 when full recomputation runs the forward twice), each sending
 per rank
   V = T·k'·h·bytes·(ep−1)/ep
-assuming uniform routing (every expert receives T·k'/E tokens, so a rank keeps 1/ep of its
-routed copies and sends an equal 1/ep to each of the ep−1 others). Link: members of an ep
-group on the same node exchange over NVLink; with k = min(ep, max(1, g/(cp·tp))) members per
-node, (k−1)/ep of a rank's routed bytes stay on the node and (ep−k)/ep leave it through the node's
-NICs, shared by its g GPUs (all run their all-to-all at once): time = max(on-node bytes /
-intra_bw, off-node bytes / (inter_bw/g)) + (ep−1) message latencies. Not overlapped.
+with T the tokens the rank routes (b·s/cp, /t under sp) and k' the expert slots per token
+(top_k dropless, capacity_factor·top_k with a capacity), assuming uniform routing (every expert
+receives T·k'/E tokens, so a rank keeps 1/ep of its routed copies and sends an equal 1/ep to
+each of the ep−1 others). Link: members of an ep group on the same node exchange over NVLink;
+with k = min(ep, max(1, g/(cp·tp))) members per node, (k−1)/ep of a rank's routed bytes stay on
+the node and (ep−k)/ep leave it through the node's NICs, shared by its g GPUs (all run their
+all-to-all at once): time = max(on-node bytes / intra_bw, off-node bytes / (inter_bw/g)) +
+(ep−1) message latencies. Not overlapped.
 """
 
 from __future__ import annotations
@@ -76,13 +73,6 @@ def routed_copies(model) -> float:
 def rank_tokens(layout: Layout, *, seq_len: int, micro_batch_size: int) -> float:
     """T: tokens one rank routes per micro-batch; `seq_len` already divided by cp."""
     return seq_len * micro_batch_size / (layout.tp if layout.sp else 1)
-
-
-def routed_activation_bytes(model, *, tokens: float) -> float:
-    """Bytes one MoE block stores for routing `tokens` tokens (16-bit, module docstring)."""
-    copies = routed_copies(model) * tokens
-    h, f = model.dim, model.expert_ffn_dim
-    return copies * (2 * h + 3 * f) * 2 + tokens * model.moe.num_experts * 4
 
 
 def a2a_bytes(model, *, tokens: float, ep: int, elem_bytes: int) -> float:

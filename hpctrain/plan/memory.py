@@ -33,7 +33,11 @@ busiest rank is the first stage, which has no output layer. The embedding dropou
 not counted. Context parallelism (cp) replaces s by s/cp in every activation term (each rank
 holds s/cp tokens of each row) and shards ZeRO states over dp·cp (parameters are replicated
 over both axes). Mixture of experts (routed experts 1/ep per rank, their ZeRO states over
-(dp/ep)·cp, the routed-token activations of MoE blocks): `hpctrain.plan.experts`.
+(dp/ep)·cp): `hpctrain.plan.experts`.
+
+These are the published formulas, for the GPT shapes of those papers; the planner's one model
+for the models hpctrain trains (what its engine and blocks hold, MoE blocks included) is
+`hpctrain.plan.rank_memory`, which takes its states and buffers from here where they agree.
 """
 
 from __future__ import annotations
@@ -158,21 +162,7 @@ def activation_bytes(
     if layout.pp == 1:
         s, b, h, v = seq_len, micro_batch_size, model.dim, model.vocab_size
         total += 4 * s * b * (h + v) / layout.tp
-    if experts.is_moe(model):
-        total += _routed_bytes(model, layout, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                               in_flight=in_flight, recompute=recompute)
     return total * (2 if precision == "fp32" else 1)
-
-
-def _routed_bytes(model, layout: Layout, *, seq_len, micro_batch_size, in_flight,
-                  recompute) -> float:
-    """Routed-token activations of the MoE blocks alive at the peak (`seq_len` per cp rank):
-    in_flight × MoE blocks per chunk, or the one block being recomputed under full."""
-    tokens = experts.rank_tokens(layout, seq_len=seq_len, micro_batch_size=micro_batch_size)
-    one = experts.routed_activation_bytes(model, tokens=tokens)
-    if recompute == "full":
-        return one
-    return in_flight * model.n_moe_layers / (layout.pp * layout.virtual_stages) * one
 
 
 def buffer_bytes(model: Shape, layout: Layout, *, precision: str = "bf16") -> float:

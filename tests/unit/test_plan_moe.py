@@ -11,7 +11,7 @@ from hpctrain.models.config import PRESETS, MoEConfig
 from hpctrain.plan import experts
 from hpctrain.plan.cluster import megatron_a100_cluster
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import activation_bytes, memory_breakdown
+from hpctrain.plan.memory import memory_breakdown
 from hpctrain.plan.search import search_layouts
 from hpctrain.plan.time import step_time
 from tests.conftest import make_config
@@ -43,18 +43,29 @@ def test_expert_states_fall_as_one_over_ep():
     assert dense_tp2 == pytest.approx(dense_tp1 / 2, rel=1e-12)
 
 
-def test_moe_blocks_store_the_routed_token_copies():
+def test_moe_blocks_store_the_router_and_routed_slots():
+    """plan.rank_memory's MoE block, per token it routes: fp32 router logits and scores
+    (8·E), top-k scores, ids and gate sums (12·k + 8), and per expert slot the dispatched row
+    and the expert output (2·e·h), the expert SwiGLU (4·e·f_e) and three ids/gates (20), in
+    place of the dense SwiGLU (4·e·f); k' = capacity_factor · top_k with a capacity."""
+    from hpctrain.plan.rank_memory import StepShape, rank_memory
+
     model = PRESETS["debug"].with_(moe=MoEConfig(num_experts=4, top_k=2))  # 4 MoE blocks
     dense = model.with_(moe=MoEConfig())
     layout = Layout(dp=2, ep=2)
-    kw = dict(seq_len=128, micro_batch_size=4, in_flight=3)
-    extra = activation_bytes(model, layout, **kw) - activation_bytes(dense, layout, **kw)
-    t, k, h, f, e = 128 * 4, 2, 32, 96, 4
-    per_block = k * t * (2 * h + 3 * f) * 2 + t * e * 4
-    assert extra == pytest.approx(3 * 4 * per_block, rel=1e-12)  # in_flight × 4 MoE blocks
+    step = StepShape(seq_len=128, micro_batch_size=4, precision="fp32")
+
+    def extra(m):
+        return rank_memory(m, layout, step).activations - rank_memory(
+            dense, layout, step).activations
+
+    t, k, h, f, E, e = 128 * 4, 2, 32, 96, 4, 4
+    router = 8 * E + 12 * k + 8
+    slot = 2 * e * h + 4 * e * f + 20 + 8  # + the received rows' order under ep > 1
+    assert extra(model) == pytest.approx(4 * t * (router + k * slot - 4 * e * f), rel=1e-12)
     capped = model.with_(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.5))
-    extra_c = activation_bytes(capped, layout, **kw) - activation_bytes(dense, layout, **kw)
-    assert extra_c == pytest.approx(3 * 4 * (1.5 * k * t * (2 * h + 3 * f) * 2 + t * e * 4))
+    assert extra(capped) == pytest.approx(4 * t * (router + 1.5 * k * slot - 4 * e * f),
+                                          rel=1e-12)
 
 
 def _time(layout, **kw):
