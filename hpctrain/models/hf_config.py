@@ -235,10 +235,12 @@ def model_tokenizer(init_from: str | None) -> Path | None:
 
 def with_model_tokenizer(data: Any, init_from: str | None) -> Any:
     """The `data` group whose tokenizer defaults to the model directory's: with
-    `model.init_from` holding a tokenizer.json and data.tokenizer still `byte` without a path
-    (the defaults), data.tokenizer=hf, data.tokenizer_path=<init_from>."""
+    `model.init_from` holding a tokenizer.json and no data.tokenizer_path, with data.tokenizer
+    still `byte` (the default) or `hf` (`data=jsonl`'s), data.tokenizer=hf,
+    data.tokenizer_path=<init_from>."""
     if (not isinstance(data, dict) or model_tokenizer(init_from) is None
-            or data.get("tokenizer", "byte") != "byte" or data.get("tokenizer_path")):
+            or data.get("tokenizer", "byte") not in ("byte", "hf")
+            or data.get("tokenizer_path")):
         return data
     return {**data, "tokenizer": "hf", "tokenizer_path": str(init_from)}
 
