@@ -49,6 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.config import ModelConfig, MoEConfig
+from hpctrain.ops.fp8 import Fp8Spec
+from hpctrain.ops.linear import Linear, linear
 
 
 @dataclass
@@ -127,13 +129,17 @@ def _group_losses(logits_TE, probs_TE, routed_E, moe: MoEConfig, *, group):
 
 class Experts(nn.Module):
     """`n` SwiGLU experts as stacked weights: y = (silu(x w1[e]) ⊙ x w3[e]) w2[e] for the
-    rows of each expert. Rows arrive grouped by expert, `counts_E` rows per local expert."""
+    rows of each expert. Rows arrive grouped by expert, `counts_E` rows per local expert.
+    With `fp8` set (train.fp8: hpctrain.parallel.fp8) each expert's three GEMMs run in float8
+    as an FP8 linear's do (hpctrain.ops.fp8: same recipes, scales from that expert's rows and
+    weights, so an expert computes the same on every ep layout)."""
 
     def __init__(self, n: int, dim: int, ffn_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(n, ffn_dim, dim))
+        self.fp8: Fp8Spec | None = None
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return self.compute(x_AD, counts_E)
@@ -144,6 +150,11 @@ class Experts(nn.Module):
         for e, x_aD in enumerate(torch.split(x_AD, counts_E.tolist())):
             if x_aD.shape[0] == 0:
                 continue
+            if self.fp8 is not None:  # as linears: weights out × in (contiguous for cuBLAS)
+                w1, w3, w2 = (w[e].t().contiguous() for w in (self.w1, self.w3, self.w2))
+                up = F.silu(linear(x_aD, w1, fp8=self.fp8)) * linear(x_aD, w3, fp8=self.fp8)
+                outs.append(linear(up, w2, fp8=self.fp8))
+                continue
             w1, w3, w2 = (w[e].to(x_aD.dtype) for w in (self.w1, self.w3, self.w2))
             outs.append((F.silu(x_aD @ w1) * (x_aD @ w3)) @ w2)
         if not outs:  # no rows reached these experts (their gradients stay zero)
@@ -152,13 +163,14 @@ class Experts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """`n` always-on SwiGLU experts fused into one MLP of width n·F (what DeepSeek does)."""
+    """`n` always-on SwiGLU experts fused into one MLP of width n·F (what DeepSeek does);
+    hpctrain linears, so train.fp8 runs them in float8 too."""
 
     def __init__(self, n: int, dim: int, ffn_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, n * ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, n * ffn_dim, bias=False)
-        self.w2 = nn.Linear(n * ffn_dim, dim, bias=False)
+        self.w1 = Linear(dim, n * ffn_dim)
+        self.w3 = Linear(dim, n * ffn_dim)
+        self.w2 = Linear(n * ffn_dim, dim)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))

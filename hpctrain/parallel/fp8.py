@@ -1,7 +1,8 @@
 """Turn on float8 GEMMs (`hpctrain.ops.fp8`) in a built model's linears, by name.
 
 Every hpctrain linear has an `fp8` attribute (None: its usual bf16/fp32 path). `apply_fp8`
-sets it to an `Fp8Spec` on each `Linear`, `ColumnParallelLinear` and `RowParallelLinear`
+sets it to an `Fp8Spec` on each `Linear`, `ColumnParallelLinear` and `RowParallelLinear`, and
+on each group of routed experts (`Experts`, whole on the ranks holding them: unsharded specs),
 whose module name matches no `skip` pattern, telling the tp-sharded ones which weight dim is
 split over which group so their scales equal the single process's. Parameters, their names
 and state dicts do not change: checkpoints written with FP8 on load with it off and back.
@@ -17,6 +18,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
+from hpctrain.models.moe import Experts
 from hpctrain.ops.fp8 import Fp8Spec, Recipe
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -31,12 +33,13 @@ def skipped(name: str, skip: Sequence[str]) -> bool:
 
 
 def spec_for(module: nn.Module, *, recipe: Recipe) -> Fp8Spec | None:
-    """The FP8 spec of an hpctrain linear (None for anything else)."""
+    """The FP8 spec of an hpctrain linear or routed-expert group (None for anything else; the
+    MoE router stays in fp32)."""
     if isinstance(module, ColumnParallelLinear):
         return Fp8Spec(recipe, sharded="out", group=module.group)
     if isinstance(module, RowParallelLinear):
         return Fp8Spec(recipe, sharded="in", group=module.group)
-    if isinstance(module, Linear):
+    if isinstance(module, Linear | Experts):  # experts are whole on every rank that holds them
         return Fp8Spec(recipe)
     return None
 
@@ -54,6 +57,7 @@ def apply_fp8(model: nn.Module, *, recipe: Recipe, skip: Sequence[str]) -> list[
             continue
         module.fp8 = spec
         done.append(name)
-    log.info("FP8 (%s) on %d linears; kept in high precision: %s", recipe, len(done),
+    log.info("FP8 (%s) on %d linears and expert groups; kept in high precision: %s", recipe,
+             len(done),
              ", ".join(kept) or "none")
     return done

@@ -206,14 +206,34 @@ def checkpoint_staging_bytes(model: Shape, layout: Layout) -> float:
 
 
 def fp8_buffer_bytes(model: Shape, layout: Layout, *, in_flight: int, recompute: str) -> float:
-    """FP8 linears (train.fp8) save a float8 copy of each block weight for backward, 1 byte per
-    parameter, per in-flight microbatch (only the recomputed layer's under full recompute).
-    Their saved inputs are float8 too, which the 16-bit activation constants over-count: the
-    activation term is left as is (an upper bound)."""
-    per_layer = (model.layer_params() - 2 * model.dim) / layout.tp
+    """FP8 GEMMs (train.fp8) save a float8 copy of each weight they use for backward, 1 byte
+    per parameter, per in-flight microbatch (only the recomputed layer's under full
+    recompute): the block's projections (/tp), and in an MoE block the rank's routed experts
+    (/ep, whole under tp) and the shared experts (whole) in place of the dense MLP; norms and
+    the router stay in their dtype (`fp8_layer_params`). Their saved inputs are float8 too,
+    which the 16-bit activation constants over-count: the activation term is left as is (an
+    upper bound)."""
+    per_layer = fp8_layer_params(model, layout)
     if recompute == "full":
         return float(per_layer)
     return float(in_flight * model.n_layers / (layout.pp * layout.virtual_stages) * per_layer)
+
+
+def fp8_layer_params(model: Shape, layout: Layout) -> float:
+    """Parameters of the largest block's FP8 GEMMs on one rank (`fp8_buffer_bytes`)."""
+    if not experts.is_moe(model):
+        return (model.layer_params() - 2 * model.dim) / layout.tp
+    m, h = model.moe, model.dim
+    best = 0.0
+    for i in range(model.n_layers):
+        routed = experts.layer_expert_params(model, i)
+        if not routed:
+            best = max(best, (model.layer_params(i) - 2 * h) / layout.tp)
+            continue
+        shared = m.shared_experts * 3 * h * model.expert_ffn_dim
+        attention = model.layer_params(i) - routed - shared - m.num_experts * h - 2 * h
+        best = max(best, attention / layout.tp + routed / layout.ep + shared)
+    return best
 
 
 def memory_breakdown(

@@ -214,3 +214,54 @@ def test_moe_under_activation_checkpointing_equals_no_recompute(mode, early_stop
     for (l0, n0, r0, e0, f0), (l1, n1, r1, e1, f1) in zip(ref, got, strict=True):
         assert l1 == pytest.approx(l0, rel=1e-6) and n1 == pytest.approx(n0, rel=1e-6)
         assert r1 == pytest.approx(r0, rel=1e-6) and e1 == e0 and f1 == f0 == [2, 2]
+
+
+def test_fp8_experts_run_each_expert_as_fp8_linears():
+    """apply_fp8 marks the routed-expert groups and the shared experts (hpctrain linears; the
+    router stays fp32). An expert group in FP8 computes, forward and backward, what three FP8
+    linears holding that expert's weights compute, and differs from its bf16/fp32 path."""
+    from hpctrain.models.moe import Experts
+    from hpctrain.ops.fp8 import Fp8Spec
+    from hpctrain.ops.linear import Linear
+    from hpctrain.parallel.fp8 import apply_fp8
+
+    model = build_model(PRESETS["debug_moe"].with_(
+        moe=MoEConfig(num_experts=4, top_k=2, shared_experts=1)), seed=0)
+    done = apply_fp8(model, recipe="tensorwise", skip=())
+    assert any(n.endswith("mlp.experts") for n in done)
+    assert any(n.endswith("mlp.shared.w1") for n in done)
+    assert not any(n.endswith("router") for n in done)
+
+    torch.manual_seed(0)
+    experts = Experts(3, 16, 24)
+    for w in (experts.w1, experts.w3, experts.w2):
+        torch.nn.init.normal_(w, std=0.2)
+    counts = torch.tensor([5, 0, 7])
+    x = torch.randn(12, 16, requires_grad=True)
+    plain = experts(x, counts)
+    experts.fp8 = Fp8Spec("tensorwise")
+    y = experts(x, counts)
+    assert not torch.equal(y, plain)
+    (y.square().sum()).backward()
+
+    want, grads = [], []
+    for e, rows in enumerate(torch.split(x.detach(), counts.tolist())):
+        if not len(rows):
+            continue
+        lin = {}
+        for name in ("w1", "w3", "w2"):
+            w = getattr(experts, name)[e].detach().t().contiguous()
+            lin[name] = Linear(w.shape[1], w.shape[0])
+            lin[name].weight.data.copy_(w)
+            lin[name].fp8 = experts.fp8
+        rows = rows.clone().requires_grad_()
+        out = lin["w2"](F.silu(lin["w1"](rows)) * lin["w3"](rows))
+        out.square().sum().backward()
+        want.append(out)
+        grads.append((e, lin, rows.grad))
+    assert torch.equal(y.detach(), torch.cat(want).detach())
+    for e, lin, _ in grads:
+        for name in ("w1", "w3", "w2"):
+            assert torch.equal(getattr(experts, name).grad[e], lin[name].weight.grad.t())
+    assert torch.equal(experts.w1.grad[1], torch.zeros_like(experts.w1.grad[1]))
+    assert torch.equal(x.grad, torch.cat([g for _, _, g in grads]))

@@ -144,3 +144,17 @@ def test_run_prediction_counts_experts_once_per_ep_rank(tmp_path):
     states = predicted_states(cfg)
     assert states.params == 2 * (model.num_params() - psi_e / 2)
     assert states.optimizer == 12 * (model.num_params() - psi_e / 2)
+
+
+def test_fp8_copies_count_the_rank_s_experts():
+    """train.fp8 saves a float8 copy (1 byte) of each weight whose GEMMs run in FP8: in a
+    Mixtral block the attention projections (/tp) and the rank's routed experts (/ep, whole
+    under tp); not the norms or the router."""
+    from hpctrain.plan.memory import fp8_layer_params
+
+    h, q, kv = 4096, 32 * 128, 8 * 128
+    attention = 2 * h * q + 2 * h * kv
+    for tp, ep in ((1, 1), (2, 4), (8, 8)):
+        layout = Layout(dp=8, tp=tp, ep=ep, sp=tp > 1)
+        want = attention / tp + PSI_E / 32 / ep
+        assert fp8_layer_params(MIXTRAL, layout) == pytest.approx(want, rel=1e-12)
