@@ -29,12 +29,22 @@ class Documents:
     def from_eod(cls, tokens_BL: torch.Tensor, *, eod: int) -> Documents:
         """Boundaries of rows whose documents are separated by the token id `eod`."""
         is_end_BL = tokens_BL == eod
-        ids_BL = torch.cumsum(is_end_BL, dim=1) - is_end_BL.long()
-        return cls.from_ids(ids_BL)
+        return cls._of(torch.cumsum(is_end_BL, dim=1) - is_end_BL.long())  # non-decreasing
 
     @classmethod
     def from_ids(cls, ids_BL: torch.Tensor) -> Documents:
-        """Boundaries from per-token document ids, non-decreasing along each row."""
+        """Boundaries from per-token document ids, non-decreasing along each row (documents
+        are contiguous and in order: context parallelism finds its empty blocks from that);
+        ValueError otherwise."""
+        if ids_BL.shape[1] > 1 and bool((ids_BL[:, 1:] < ids_BL[:, :-1]).any()):
+            row = int((ids_BL[:, 1:] < ids_BL[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(f"document ids of row {row} decrease ({ids_BL[row].tolist()[:16]}"
+                             "...): ids must be non-decreasing along a row, one run per "
+                             "document, in order")
+        return cls._of(ids_BL)
+
+    @classmethod
+    def _of(cls, ids_BL: torch.Tensor) -> Documents:
         ids_BL = ids_BL.long()
         L = ids_BL.shape[1]
         index_BL = torch.arange(L, device=ids_BL.device).expand_as(ids_BL)

@@ -61,3 +61,40 @@ def test_backends_without_a_ring_block_are_refused_not_run_eagerly(backend, tmp_
     (err,) = check_cp(bad)
     assert err.startswith(f"model.attention={backend} with parallel.cp=2: ring attention has "
                           f"no {backend} block yet") and "use model.attention=triton" in err
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_empty_blocks_follow_from_chunk_indices_and_boundaries(cp):
+    """ring.block_mask decides which (query chunk, key chunk) blocks are empty from the chunk
+    indices and the rows' first/last document ids, never forming a mask: it agrees with the
+    materialised causal same-document mask of the full rows on every block of every rank, over
+    random packings (one long document, many short ones, documents crossing chunks), and the
+    mask the eager math then reads is that mask's block."""
+    from hpctrain.parallel.context.ring import block_mask
+    from hpctrain.parallel.context.shard import chunk_ids
+
+    C, gen = 5, torch.Generator().manual_seed(0)
+    L = 2 * cp * C
+    pos_L = torch.arange(L)
+    causal_LL = pos_L[None, :] <= pos_L[:, None]
+    for trial in range(40):
+        starts = torch.rand(3, L, generator=gen) < (0.02, 0.1, 0.4)[trial % 3]
+        ids_BL = torch.cumsum(starts.long(), dim=1)
+        full_BLL = (ids_BL[:, :, None] == ids_BL[:, None, :]) & causal_LL
+        docs = Documents.from_ids(ids_BL)
+        for rank in range(cp):
+            shard = shard_documents(docs, rank=rank, cp=cp)
+            for kv_rank in range(cp):
+                for x in (0, 1):
+                    for y in (0, 1):
+                        qc, kc = chunk_ids(rank, cp=cp)[x], chunk_ids(kv_rank, cp=cp)[y]
+                        want = full_BLL[:, qc * C:(qc + 1) * C, kc * C:(kc + 1) * C]
+                        block = block_mask(shard, kv_rank=kv_rank, x=x, y=y)
+                        assert (block is None) == (not bool(want.any()))
+                        if block is not None:
+                            assert torch.equal(block.mask_BCC, want)
+
+
+def test_document_ids_must_not_decrease():
+    with pytest.raises(ValueError, match="row 1 decrease"):
+        Documents.from_ids(torch.tensor([[0, 0, 1, 1], [0, 1, 0, 1]]))

@@ -4,8 +4,9 @@ A block function pair is (forward(q, k, v, block) → (o, lse), backward(q, k, v
 lse, D) → (dq, dk, dv)), with `block` a blocks.Block. `eager` uses the eager math of
 blocks.py; `sdpa` torch's fused CPU forward (sdpa_lse.py) with the eager backward; `triton`
 hpctrain's FlashAttention-2 kernels in both directions (ops/triton_attention_block.py), which
-build each block's mask from the chunks' document ids inside their tiles (ring.block_mask still
-forms the boolean B×C×C mask, to skip empty blocks) and never hold a C×C score matrix. flex
+build each block's mask from the chunks' document ids inside their tiles and never hold a C×C
+score matrix or mask (ring.block_mask skips empty blocks from the chunk indices and document
+boundaries; only the eager and sdpa math form Block.mask_BCC). flex
 and flash have no block form yet: refused under cp (BLOCK_BACKENDS).
 """
 

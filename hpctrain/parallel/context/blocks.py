@@ -15,21 +15,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 
 @dataclass(frozen=True)
 class Block:
-    """One non-empty (query chunk, key chunk) block: its mask, and how it arises — the chunks'
-    document ids and whether it is a diagonal block (the same chunk: causal inside) or an
-    earlier key chunk (every key precedes every query) — for kernels that build the mask from
-    ids instead of reading a C×C tensor."""
+    """One non-empty (query chunk, key chunk) block: the chunks' document ids and whether it
+    is a diagonal block (the same chunk: causal inside) or an earlier key chunk (every key
+    precedes every query). Kernels build the mask from these inside their tiles; `mask_BCC`,
+    the B×C×C boolean mask, is formed only for the eager and sdpa math that reads it."""
 
-    mask_BCC: torch.Tensor
     ids_q_BC: torch.Tensor
     ids_k_BC: torch.Tensor
     diagonal: bool
+
+    @cached_property
+    def mask_BCC(self) -> torch.Tensor:
+        mask_BCC = self.ids_q_BC[:, :, None] == self.ids_k_BC[:, None, :]
+        if self.diagonal:
+            C = mask_BCC.shape[-1]
+            mask_BCC = mask_BCC & torch.ones(C, C, dtype=torch.bool,
+                                             device=mask_BCC.device).tril()
+        return mask_BCC
 
 
 def _expand(x_BKCH: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -77,21 +77,21 @@ class RingComm:
 
 
 def block_mask(docs: ShardDocuments, *, kv_rank: int, x: int, y: int) -> Block | None:
-    """The Block (B×C×C mask and its ids) of query chunk x (0/1) of this rank against key
-    chunk y of `kv_rank`, or None when the block is empty: the key chunk lies after the query
-    chunk, or no query of the chunk shares a document with an earlier key."""
+    """The Block of query chunk x (0/1) of this rank against key chunk y of `kv_rank`, or None
+    when it is empty, decided from the chunk indices and the document boundaries alone (no
+    mask is formed): a key chunk after the query chunk is empty; the diagonal block never is
+    (each token sees itself); an earlier key chunk holds every key before every query, and
+    ids are non-decreasing along a row (Documents.from_ids), so some query shares a document
+    with some key exactly when a row's first query and last key share one."""
     qc, kc = chunk_ids(docs.rank, cp=docs.cp)[x], chunk_ids(kv_rank, cp=docs.cp)[y]
     if kc > qc:
         return None
     C = docs.ids_BL.shape[1] // 2
     ids_q_BC = docs.ids_BL[:, x * C:(x + 1) * C]
     ids_k_BC = docs.ids_of(kv_rank)[:, y * C:(y + 1) * C]
-    mask_BCC = ids_q_BC[:, :, None] == ids_k_BC[:, None, :]
-    if kc == qc:
-        mask_BCC = mask_BCC & torch.ones(C, C, dtype=torch.bool, device=mask_BCC.device).tril()
-    if not bool(mask_BCC.any()):
+    if kc < qc and not bool((ids_q_BC[:, 0] == ids_k_BC[:, -1]).any()):
         return None
-    return Block(mask_BCC=mask_BCC, ids_q_BC=ids_q_BC, ids_k_BC=ids_k_BC, diagonal=kc == qc)
+    return Block(ids_q_BC=ids_q_BC, ids_k_BC=ids_k_BC, diagonal=kc == qc)
 
 
 def _chunks(x_BXSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
