@@ -119,6 +119,7 @@ def _group(item) -> str:
     return "world8" if name in _WORLD8_FILES else str(item.path.relative_to(ROOT))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into nodeids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
