@@ -1,13 +1,16 @@
 """The analytical planner: will a layout fit, how fast will it be, and which layout is best.
 
-Pure arithmetic (no torch, no processes): devices → cluster → memory and time models →
-layout search → reports. See each module's docstring for its formulas and sources.
+Arithmetic (no processes, no model built): devices → cluster → the memory model
+(`rank_memory`, one for the search, task=plan, parallel=auto, the pre-launch check and each
+run's prediction) and the time model → layout search → reports. See each module's docstring
+for its formulas and sources.
 """
 
 from hpctrain.metrics.devices import DEVICES, DeviceSpec, lookup_device, mfu_or_none
 from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown, model_state_bytes
+from hpctrain.plan.rank_memory import StepShape, rank_memory
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
 from hpctrain.plan.search import Candidate, search_layouts
 from hpctrain.plan.shapes import GPTShape
@@ -21,6 +24,7 @@ __all__ = [
     "GPTShape",
     "Layout",
     "MemoryBreakdown",
+    "StepShape",
     "StepTime",
     "format_plan_table",
     "format_search_table",
@@ -30,6 +34,7 @@ __all__ = [
     "mfu_or_none",
     "model_state_bytes",
     "plan_report",
+    "rank_memory",
     "search_layouts",
     "step_time",
 ]
