@@ -7,7 +7,7 @@ What changes between the README and the run:
   corpus, a word-level tokenizer, a tiny random Llama with that tokenizer, prompts, a local
   lm-eval task; `cluster=my_site` (the user's own preset) becomes `example_site`;
 - runs are short (`_short`): a few steps, no W&B, sequences of at most 64 tokens, benchmarks
-  of a few timed calls;
+  of a few timed calls on small messages and matrices;
 - a command whose comment says `[needs ...]` (Slurm, a GPU, the network) is skipped with that
   reason: the local Slurm cluster's own tests (tests/slurm) run those paths; the README's two
   set-up commands are what `.ci/run` runs.
@@ -127,8 +127,9 @@ def _short(argv: list[str]) -> list[str]:
     """A few steps of a training run, no W&B, rows of at most 64 tokens (module docstring)."""
     keys = {a.split("=", 1)[0]: i for i, a in enumerate(argv) if "=" in a}
     task = argv[keys["task"]].split("=", 1)[1] if "task" in keys else "train"
-    if task == "bench":  # a few timed calls per measurement
-        return [*argv, "bench.iters=3", "bench.warmup=1"]
+    if task == "bench":  # a few timed calls of small messages and matrices
+        return [*argv, "bench.iters=3", "bench.warmup=1", "bench.max_bytes=262144",
+                "bench.gemm_max_dim=512"]
     if task not in ("train", "prepare"):
         return argv
     forced = {"logger.wandb": "disabled"}
