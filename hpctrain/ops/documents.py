@@ -36,8 +36,9 @@ class Documents:
         """Boundaries from per-token document ids, non-decreasing along each row (documents
         are contiguous and in order: context parallelism finds its empty blocks from that);
         ValueError otherwise."""
-        if ids_BL.shape[1] > 1 and bool((ids_BL[:, 1:] < ids_BL[:, :-1]).any()):
-            row = int((ids_BL[:, 1:] < ids_BL[:, :-1]).any(1).nonzero()[0])
+        falls_B = (ids_BL[:, 1:] < ids_BL[:, :-1]).any(1)
+        if bool(falls_B.any()):
+            row = int(falls_B.nonzero()[0])
             raise ValueError(f"document ids of row {row} decrease ({ids_BL[row].tolist()[:16]}"
                              "...): ids must be non-decreasing along a row, one run per "
                              "document, in order")

@@ -35,6 +35,7 @@ is the larger of the first (most microbatches in flight) and the last (the head)
 from __future__ import annotations
 
 from hpctrain.models.config import ModelConfig
+from hpctrain.plan.experts import routed_copies
 
 
 def _norm(h: float, e: int) -> float:
@@ -63,7 +64,7 @@ def moe_bytes_per_token(model: ModelConfig, *, precision: str, ep: int = 1) -> f
     """Saved bytes of one mixture-of-experts MLP per token it routes (module doc)."""
     e = 4 if precision == "fp32" else 2
     m, h, f = model.moe, model.dim, model.expert_ffn_dim
-    slots = m.top_k * m.capacity_factor if m.capacity_factor > 0 else float(m.top_k)
+    slots = routed_copies(model)
     router = 8 * m.num_experts + 12 * m.top_k + 8 + (0 if e == 4 else e * h)
     per_slot = 2 * e * h + 4 * e * f + 20 + (8 if ep > 1 else 0)
     return router + slots * per_slot + 4 * e * m.shared_experts * f

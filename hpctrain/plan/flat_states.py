@@ -82,7 +82,8 @@ def unit_numels(model: ModelConfig, *, zero: int, bucket_mb: float, elem_bytes: 
     (`held`: the parameters a rank holds, `rank_param_groups`; default the whole model's)."""
     embed, blocks, tail = held or param_groups(model)
     if zero == 3:
-        return [tuple(embed + tail)] * bool(embed + tail) + [tuple(b) for b in blocks]
+        ends = [tuple(embed + tail)] if embed or tail else []  # a middle stage has none
+        return ends + [tuple(b) for b in blocks]
     named = embed + [n for b in blocks for n in b] + tail
     bucket_bytes, units, size = bucket_mb * 2**20, [[]], 0
     for n in reversed(named):  # the same rule as ddp.size_groups
@@ -101,10 +102,11 @@ def flat_state_bytes(model: ModelConfig, *, dp: int, zero: int, precision: str,
     (module docstring)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be one of 0, 1, 2, 3")
+    # every pp rank holds as many blocks; the ends add the embedding and the head
     ranks = [_rank_states(model, dp=dp, zero=zero, precision=precision, bucket_mb=bucket_mb,
                           offload=offload, held=rank_param_groups(
                               model, tp=tp, pp=pp, virtual_stages=virtual_stages,
-                              schedule=schedule, pp_rank=r)) for r in range(pp)]
+                              schedule=schedule, pp_rank=r)) for r in sorted({0, pp - 1})]
     return max(ranks, key=lambda s: s.total + s.host)
 
 

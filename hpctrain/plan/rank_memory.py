@@ -1,9 +1,8 @@
 """The planner's one memory model: the bytes one rank of a layout holds at the peak of a step.
 
 `task=plan` and `parallel=auto` (the layout search), the pre-launch check and the prediction a
-run logs beside its measured ledger all call `rank_memory`, and judge fits with `fits` against
-the same usable memory (`MemoryBreakdown.fits` against the limit less plan.headroom), so they
-never disagree.
+run logs beside its measured ledger all call `rank_memory`, and judge fits against the same
+usable memory (the limit less plan.headroom), so they never disagree.
 
 For the models hpctrain trains (`ModelConfig`) it counts what hpctrain's engine and blocks
 hold, term by term:
