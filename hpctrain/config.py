@@ -253,7 +253,7 @@ class LoggerConfig:
 
 
 Task = Literal["train", "simulate", "bench", "plan", "prepare", "export", "generate",
-               "eval"]
+               "eval", "compat"]
 
 
 @dataclass(frozen=True)

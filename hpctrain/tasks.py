@@ -7,6 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hpctrain.config import Config
@@ -88,9 +89,21 @@ def eval_task(cfg: Config) -> dict[str, Any]:
     return run_eval(cfg)
 
 
+def compat_task(cfg: Config) -> dict[str, Any]:
+    """The composition matrix from the validation rules (hpctrain.compat), to compat.md."""
+    from hpctrain import compat
+
+    text = compat.table()
+    path = Path(cfg.run_dir) / "compat.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n", encoding="utf-8")
+    return {"text": text, "path": str(path)}
+
+
 # Analytical tasks run once in this process, with no ranks.
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task,
-              "export": export_task, "generate": generate_task, "eval": eval_task}
+              "export": export_task, "generate": generate_task, "eval": eval_task,
+              "compat": compat_task}
 
 
 def preflight(cfg: Config) -> None:

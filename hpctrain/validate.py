@@ -357,6 +357,8 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "generate": (check_generate,),
     # task=eval: one process; its data and model come from the run (or eval.*, data.*).
     "eval": (check_eval_task,),
+    # task=compat validates its own cells (hpctrain.compat), whatever else is configured.
+    "compat": (),
 }
 
 

@@ -10,10 +10,12 @@ the two. Activation checkpointing composes: selective recomputes only attention 
 full's recomputation of a block in backward neither adds its router losses again nor counts
 its routing twice (hpctrain.models.moe `in_backward`); with ep > 1 it reruns the block's
 all-to-alls in backward, on every ep rank in the same order. With cp each rank routes its part
-of the rows and the router statistics are summed over cp (dropless, ep = 1); under
-train.compile the MoE layers run eagerly (hpctrain.models.compile). What is not built yet
-with experts (cp or sp with capacity or ep; sp with cp) is refused here, naming the fix,
-never run silently wrong.
+of the rows and the router statistics are summed over cp (dropless); with ep > 1 each cp or sp
+rank exchanges its own tokens with the ep ranks of its cp and tp coordinates, and the expert
+gradients are summed over the expert-data group, which spans cp (distributed.dims.edp_ranks).
+Under train.compile the MoE layers run eagerly (hpctrain.models.compile). A capacity with cp
+or sp is refused by design (it would all-gather the router scores before every MoE layer);
+sp with cp is not built yet (the tp × cp group). Each refusal names the fix.
 """
 
 from __future__ import annotations
@@ -43,23 +45,17 @@ def check_moe(c: Config) -> list[str]:
                     " ranks live inside the dp group): choose ep dividing dp")
     if c.task == "bench" and (c.extra.get("bench") or {}).get("name") != "train":
         return errs  # benchmarks other than bench=train build process groups, never a model
-    if p.cp > 1 and m.capacity_factor > 0:
-        errs.append(f"parallel.cp={p.cp} with model.moe.capacity_factor={m.capacity_factor:g} is "
-                    "not built: capacity ranks the assignments of the whole micro-batch, which "
-                    "the cp ranks hold in parts: set model.moe.capacity_factor=0 (dropless), or "
-                    "parallel.cp=1")
-    if p.cp > 1 and p.ep > 1:
-        errs.append(f"parallel.cp={p.cp} with parallel.ep={p.ep} is not built yet (the "
-                    "expert-data groups do not span cp): set parallel.ep=1 (the experts whole "
-                    "on every rank) or parallel.cp=1")
-    if p.tp > 1 and p.sp and m.capacity_factor > 0:
-        errs.append(f"parallel.sp=true with model.moe.capacity_factor={m.capacity_factor:g} is "
-                    "not built: capacity ranks the assignments of the whole micro-batch, which "
-                    "the tp ranks hold in parts under sp: set model.moe.capacity_factor=0 "
-                    "(dropless), or parallel.sp=false")
-    if p.tp > 1 and p.sp and (p.cp > 1 or p.ep > 1):
-        errs.append(f"parallel.sp=true with model.moe.num_experts={m.num_experts} and "
-                    f"parallel.cp={p.cp}, parallel.ep={p.ep} is not built yet (the routed "
-                    "tokens would spread over tp × cp, or the expert groups over tp): set "
-                    "parallel.sp=false, or parallel.cp=1 and parallel.ep=1")
+    if (p.cp > 1 or (p.tp > 1 and p.sp)) and m.capacity_factor > 0:
+        split = f"parallel.cp={p.cp}" if p.cp > 1 else "parallel.sp=true"
+        errs.append(f"{split} with model.moe.capacity_factor={m.capacity_factor:g} is refused: "
+                    "a capacity ranks the assignments of the whole micro-batch, whose rows the "
+                    "cp (or sp) ranks hold in parts, so every MoE layer would first all-gather "
+                    "every token's router scores over them; the dropless router needs no such "
+                    "exchange: set model.moe.capacity_factor=0 (dropless), or "
+                    f"{'parallel.cp=1' if p.cp > 1 else 'parallel.sp=false'}")
+    if p.tp > 1 and p.sp and p.cp > 1:
+        errs.append(f"parallel.sp=true with parallel.cp={p.cp} and model.moe.num_experts="
+                    f"{m.num_experts} is not built yet (the router's statistics would be "
+                    "summed over the tp × cp ranks, a group the mesh does not make): set "
+                    "parallel.sp=false, or parallel.cp=1")
     return errs

@@ -105,7 +105,8 @@ def _quiet_env():
 
 # With pytest-xdist (tests/run.sh: -n 2 --dist loadgroup) each worker takes whole groups: a
 # test file is a group (its module fixtures and cached references are computed once), the
-# 8-rank worlds' files share one (one worker holds an 8-rank world), and the Slurm tests are
+# 8-rank worlds' files and tests (marked world8) share one (one worker holds an 8-rank world),
+# and the Slurm tests are
 # one group, first in line: they mostly wait on the cluster, so the other worker runs the rest
 # meanwhile instead of after them.
 _WORLD8_FILES = {"test_3d_trainer.py", "test_3d_runtime.py", "test_ckpt_sharded.py",
@@ -116,7 +117,9 @@ def _group(item) -> str:
     if item.get_closest_marker("slurm"):
         return "slurm"
     name = item.path.name
-    return "world8" if name in _WORLD8_FILES else str(item.path.relative_to(ROOT))
+    if name in _WORLD8_FILES or item.get_closest_marker("world8"):
+        return "world8"
+    return str(item.path.relative_to(ROOT))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into nodeids

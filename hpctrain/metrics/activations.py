@@ -42,6 +42,10 @@ class ActivationMeter:
     def reset(self) -> None:
         self.peak_bytes = self.live
 
+    # Python that autograd calls between compiled graphs: dynamo must not trace it (it would
+    # guard on each storage address, recompile per tensor and rebuild _Saved objects
+    # without their fields).
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -55,6 +59,7 @@ class ActivationMeter:
         return _Saved(self, key, t)
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
 

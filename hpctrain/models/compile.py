@@ -28,7 +28,7 @@ makes data-dependent shapes (each expert's token count, the kept assignments) th
 step, so a traced MoE layer would recompile until dynamo gave up (tests/parallel/test_moe.py
 counts the graphs over 20 steps). Ring attention (cp) needs no mark: dynamo breaks the graph
 at its point-to-point exchanges by itself, and a cp=2 run compiles nothing after the second
-step (tests/parallel/test_compile_parallel.py).
+step (tests/parallel/test_compat_matrix.py, the runs with compile).
 """
 
 from __future__ import annotations

@@ -37,14 +37,6 @@ def reference(tmp_path_factory):
     return get_world(1).run(train_in_world, [], str(tmp_path_factory.mktemp("ref")))[0]
 
 
-@pytest.mark.parametrize("axis", [["parallel.tp=2"],
-                                  ["parallel.pp=2", "train.micro_batch_size=1"]])
-def test_hsdp_composes_with_tp_and_pp(world8, tmp_path, reference, axis):
-    over = ["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=2", *axis]
-    runs = world8.run(train_in_world, over, str(tmp_path / "run"))
-    assert_trajectory_close(logged_trajectory(runs), reference)
-
-
 def test_hsdp_checkpoint_resumes_across_shard_and_replicate_changes(world4, tmp_path, reference):
     first = tmp_path / "2x2"
     world4.run(train_in_world, ["parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero=2",

@@ -106,6 +106,6 @@ def test_compile_mode_is_a_checked_choice():
 
 
 def test_compile_with_context_parallelism_validates():
-    """Composed and tested in tests/parallel/test_compile_parallel.py (cp2)."""
+    """Composed and tested in tests/parallel/test_compat_matrix.py (cp+compile)."""
     cfg = make_config(["parallel.cp=2", "train.compile=blocks", "cluster.procs_per_node=2"])
     assert (cfg.parallel.cp, cfg.train.compile) == (2, "blocks")

@@ -18,7 +18,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpctrain.parallel.context.ring import RingComm, _chunks, attend, attend_backward
+from hpctrain.parallel.context.ring import (
+    RingComm,
+    _chunks,
+    attend,
+    attend_backward,
+    backward_inputs,
+    output,
+)
 from hpctrain.parallel.context.shard import ShardDocuments
 
 
@@ -39,8 +46,7 @@ class _AllGatherAttention(torch.autograd.Function):
         q, acc = _chunks(q_BNSH), [None, None]
         for src in [comm.rank] + [r for r in range(comm.size) if r != comm.rank]:
             attend(acc, q, every[src], src=src, docs=docs, comm=comm)  # own shard first
-        o_BNSH = torch.cat([acc[0][0], acc[1][0]], dim=2)
-        lse_BNS = torch.cat([acc[0][1], acc[1][1]], dim=2)
+        o_BNSH, lse_BNS = output(acc, q_BNSH.dtype)
         ctx.save_for_backward(q_BNSH, kv_2BKSH, o_BNSH, lse_BNS)
         ctx.docs, ctx.comm = docs, comm
         return o_BNSH
@@ -48,12 +54,9 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_BNSH):
         q_BNSH, kv_2BKSH, o_BNSH, lse_BNS = ctx.saved_tensors
-        comm, do_BNSH = ctx.comm, do_BNSH.contiguous()
+        comm = ctx.comm
         every = _gather(kv_2BKSH, comm)
-        d_BNS = (do_BNSH * o_BNSH).sum(-1)
-        q, do = _chunks(q_BNSH), _chunks(do_BNSH)
-        lse, d = lse_BNS.chunk(2, -1), d_BNS.chunk(2, -1)
-        dq = [torch.zeros_like(q[0]), torch.zeros_like(q[1])]
+        q, do, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
         d_every = torch.zeros_like(every)
         for src in range(comm.size):
             attend_backward(dq, d_every[src], q, every[src], do, lse, d, src=src, docs=ctx.docs,
@@ -63,7 +66,7 @@ class _AllGatherAttention(torch.autograd.Function):
                                           async_op=True)
         work.wait(comm.timeout)
         comm.bytes_sent += (comm.size - 1) * kv_2BKSH.numel() * kv_2BKSH.element_size()
-        return torch.cat(dq, dim=2), dkv_2BKSH[0], dkv_2BKSH[1], None, None
+        return torch.cat(dq, dim=2).to(q_BNSH.dtype), dkv_2BKSH[0], dkv_2BKSH[1], None, None
 
 
 def allgather_attention(q_BNSH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,

@@ -6,7 +6,8 @@ results over key blocks merge exactly (the online-softmax rule):
   lse = logaddexp(lse₁, lse₂),  o = o₁·exp(lse₁ − lse) + o₂·exp(lse₂ − lse).
 Backward of a block, given the row's final lse and D = rowsum(dO ⊙ O) (FlashAttention-2):
   p = exp(s − lse), dv = pᵀ dO, ds = p ⊙ (dO vᵀ − D), dq = ds k/√H, dk = dsᵀ q/√H.
-The math is eager in the input dtype (fp64 in the exactness tests); the sdpa backend's
+The eager math runs in the input dtype (fp64 in the exactness tests), in fp32 for bf16/fp16
+inputs (`compute_dtype`: its results are fp32, as a fused kernel's accumulators); the sdpa backend's
 forward block is torch's fused CPU kernel (sdpa_lse.py), the triton backend's both directions
 hpctrain's kernels (ops/triton_attention_block.py); context/backends.py picks them.
 """
@@ -41,6 +42,15 @@ class Block:
         return mask_BCC
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks are computed and merged in: fp32 for 16-bit inputs, else their own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _up(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(x.to(compute_dtype(x.dtype)) for x in xs)
+
+
 def _expand(x_BKCH: torch.Tensor, n_heads: int) -> torch.Tensor:
     groups = n_heads // x_BKCH.shape[1]
     return x_BKCH if groups == 1 else x_BKCH.repeat_interleave(groups, dim=1)
@@ -60,6 +70,7 @@ def _scores(q_BNCH, k_BKCH, mask_BCC):
 
 def block_forward(q_BNCH, k_BKCH, v_BKCH, block: Block):
     """(o_BNCH, lse_BNC) of one block; rows the mask empties get o = 0, lse = −inf."""
+    q_BNCH, k_BKCH, v_BKCH = _up(q_BNCH, k_BKCH, v_BKCH)
     s_BNCC = _scores(q_BNCH, k_BKCH, block.mask_BCC)
     lse_BNC = torch.logsumexp(s_BNCC, dim=-1)
     p_BNCC = torch.exp(s_BNCC - torch.where(lse_BNC.isinf(), 0, lse_BNC)[..., None])
@@ -76,6 +87,7 @@ def merge(o_BNCH, lse_BNC, o2_BNCH, lse2_BNC):
 
 def block_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BNC):
     """(dq_BNCH, dk_BKCH, dv_BKCH) of one block given the final lse and D of its rows."""
+    q_BNCH, k_BKCH, v_BKCH, do_BNCH = _up(q_BNCH, k_BKCH, v_BKCH, do_BNCH)
     N, K = q_BNCH.shape[1], k_BKCH.shape[1]
     p_BNCC = torch.exp(_scores(q_BNCH, k_BKCH, block.mask_BCC) - lse_BNC[..., None])
     dv_BNCH = p_BNCC.transpose(-1, -2) @ do_BNCH

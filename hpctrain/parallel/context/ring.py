@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.parallel.context.backends import block_functions
-from hpctrain.parallel.context.blocks import Block, merge
+from hpctrain.parallel.context.blocks import Block, compute_dtype, merge
 from hpctrain.parallel.context.shard import ShardDocuments, chunk_ids
 
 FORWARD_TAG, BACKWARD_KV_TAG, BACKWARD_GRAD_TAG = 1, 2, 3
@@ -129,6 +129,23 @@ def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
             dv[y].add_(gv)
 
 
+def output(acc: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_BNSH in the inputs' dtype, lse_BNS) of the two query chunks' merged blocks (merged
+    in blocks.compute_dtype: fp32 under bf16, as a fused kernel accumulates)."""
+    o_BNSH = torch.cat([acc[0][0], acc[1][0]], dim=2).to(dtype)
+    return o_BNSH, torch.cat([acc[0][1], acc[1][1]], dim=2)
+
+
+def backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS):
+    """Per query chunk: q, dO, lse, D = rowsum(dO ⊙ O) (in the compute dtype) and the dq
+    accumulators (compute dtype: each block's dq adds without rounding to bf16)."""
+    acc = compute_dtype(q_BNSH.dtype)
+    d_BNS = (do_BNSH.to(acc) * o_BNSH.to(acc)).sum(-1)
+    q, do = _chunks(q_BNSH), _chunks(do_BNSH.contiguous())
+    dq = [torch.zeros_like(q[0], dtype=acc), torch.zeros_like(q[1], dtype=acc)]
+    return q, do, lse_BNS.chunk(2, -1), d_BNS.chunk(2, -1), dq
+
+
 def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
     """(o_BNSH, lse_BNS) of this rank's queries against every rank's keys."""
     q = _chunks(q_BNSH)
@@ -139,14 +156,13 @@ def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
         attend(acc, q, kv_2BKSH, src=src, docs=docs, comm=comm)
         if pending is not None:
             kv_2BKSH = pending()
-    return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)
+    return output(acc, q_BNSH.dtype)
 
 
 def _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS, docs, comm: RingComm):
-    """(dq_BNSH, dk_BKSH, dv_BKSH): dk/dv accumulators travel with their key/value shard."""
-    d_BNS = (do_BNSH * o_BNSH).sum(-1)
-    q, do, lse, d = _chunks(q_BNSH), _chunks(do_BNSH), lse_BNS.chunk(2, -1), d_BNS.chunk(2, -1)
-    dq = [torch.zeros_like(q[0]), torch.zeros_like(q[1])]
+    """(dq_BNSH, dk_BKSH, dv_BKSH): dk/dv accumulators travel with their key/value shard, in
+    its dtype (the bytes of ring_bytes)."""
+    q, do, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
     dkv_2BKSH = torch.zeros_like(kv_2BKSH)
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
@@ -155,7 +171,7 @@ def _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS, docs, comm: RingComm):
         dkv_2BKSH = comm.shift(dkv_2BKSH, tag=BACKWARD_GRAD_TAG)() if comm.size > 1 else dkv_2BKSH
         if pending is not None:
             kv_2BKSH = pending()
-    return torch.cat(dq, dim=2), dkv_2BKSH[0], dkv_2BKSH[1]
+    return torch.cat(dq, dim=2).to(q_BNSH.dtype), dkv_2BKSH[0], dkv_2BKSH[1]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -170,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_BNSH):
         q_BNSH, kv_2BKSH, o_BNSH, lse_BNS = ctx.saved_tensors
-        dq, dk, dv = _backward(do_BNSH.contiguous(), q_BNSH, kv_2BKSH, o_BNSH, lse_BNS,
+        dq, dk, dv = _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS,
                                ctx.docs, ctx.comm)
         return dq, dk, dv, None, None
 
