@@ -26,8 +26,11 @@ def check_cp(c: Config) -> list[str]:
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
                     f"that is a multiple of {2 * p.cp} (e.g. {near}), or parallel.cp in {ok}")
     if c.model.attention not in BLOCK_BACKENDS:
-        errs.append(f"model.attention={c.model.attention} with parallel.cp={p.cp}: ring "
-                    f"attention has no {c.model.attention} block yet, so each block would run "
-                    "the eager math and store its scores: use model.attention=triton (its "
-                    "kernels run inside the ring), sdpa or eager")
+        errs.append(f"model.attention={c.model.attention} with parallel.cp={p.cp} is refused: "
+                    "ring attention runs each block's backward against the row's final "
+                    "log-sum-exp, which flash-attn takes only through private functions whose "
+                    "signatures change between its releases (its public functions return an "
+                    "lse that carries no gradient), and running the eager math instead would "
+                    "store every block's scores: use model.attention=flex or triton (their "
+                    "kernels run inside the ring), or sdpa")
     return errs

@@ -75,3 +75,24 @@ def test_training_with_each_backend_tracks_sdpa(tmp_path, backend):
     ref = [r["loss"] for r in read_jsonl(tmp_path / "sdpa" / "metrics.jsonl")]
     got = [r["loss"] for r in read_jsonl(tmp_path / backend / "metrics.jsonl")]
     assert all(abs(a - b) < 0.02 * a for a, b in zip(ref, got, strict=True)), (ref, got)
+
+
+def test_flex_ring_blocks_on_cuda_follow_the_eager_blocks():
+    """Under cp, model.attention=flex runs each ring block through flex_attention (compiled)
+    and its backward through flex's own with the lse gradient (parallel/context/flex_block.py):
+    on CUDA in fp32, every block of random packings (documents, GQA, empty rows) matches the
+    eager fp64 block, forward and backward (tf32-free fp32 kernels: 1e-4)."""
+    from hpctrain.parallel.context.blocks import Block, block_backward, block_forward
+    from hpctrain.parallel.context.flex_block import flex_block_backward, flex_block_forward
+    from tests.parallel.cp_helpers import ring_blocks
+
+    for block, q, k, v, do, lse, d in ring_blocks(C=128):
+        on = Block(block.ids_q_BC.cuda(), block.ids_k_BC.cuda(), block.diagonal)
+        cast = [x.cuda().float() for x in (q, k, v, do, lse, d)]
+        o, lse_b = flex_block_forward(*cast[:3], on)
+        o1, lse1 = block_forward(q, k, v, block)
+        torch.testing.assert_close(o.double().cpu(), o1, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse_b.double().cpu(), lse1, rtol=1e-4, atol=1e-4)
+        got = flex_block_backward(*cast[:3], on, *cast[3:])
+        for g, w in zip(got, block_backward(q, k, v, block, do, lse, d), strict=True):
+            torch.testing.assert_close(g.double().cpu(), w, rtol=1e-3, atol=1e-3)

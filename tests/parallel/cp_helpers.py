@@ -16,8 +16,8 @@ from hpctrain.models.config import MoEConfig
 from hpctrain.models.moe import take_router_loss
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
-from hpctrain.parallel.context.ring import RingComm, ring_bytes
-from hpctrain.parallel.context.shard import shard_micro_batch
+from hpctrain.parallel.context.ring import RingComm, block_mask, ring_bytes
+from hpctrain.parallel.context.shard import shard_documents, shard_micro_batch
 from hpctrain.parallel.step import loss_divisors
 from tests.references import token_batch
 
@@ -144,3 +144,27 @@ def cp_triton_equals_single(documents: bool) -> dict:
     interpret_triton()
     return cp_equals_single("triton", documents, L=16, reference="eager", n_layers=1,
                             heads=(2, 1))
+
+
+def ring_blocks(cp: int = 2, C: int = 8, seed: int = 0):
+    """Every non-empty block of every rank of random packings (three rows: one long document,
+    a few, many), as (Block, q, k, v, dO, lse, D) in fp64 with GQA (4 query, 2 kv heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    L = 2 * cp * C
+    starts = torch.rand(3, L, generator=gen) < torch.tensor([[0.0], [0.1], [0.4]])
+    docs = Documents.from_ids(torch.cumsum(starts.long(), dim=1))
+    for rank in range(cp):
+        shard = shard_documents(docs, rank=rank, cp=cp)
+        for kv_rank in range(cp):
+            for x in (0, 1):
+                for y in (0, 1):
+                    block = block_mask(shard, kv_rank=kv_rank, x=x, y=y)
+                    if block is None:
+                        continue
+                    q, do = (torch.randn(3, 4, C, 8, generator=gen, dtype=torch.float64)
+                             for _ in range(2))
+                    k, v = (torch.randn(3, 2, C, 8, generator=gen, dtype=torch.float64)
+                            for _ in range(2))
+                    lse = torch.randn(3, 4, C, generator=gen, dtype=torch.float64).abs() + 3
+                    d = torch.randn(3, 4, C, generator=gen, dtype=torch.float64)
+                    yield block, q, k, v, do, lse, d

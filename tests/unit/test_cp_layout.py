@@ -9,6 +9,7 @@ from hpctrain.distributed.dims import ParallelDims
 from hpctrain.ops.documents import Documents
 from hpctrain.parallel.context.shard import shard_documents, shard_rows, unshard_rows
 from tests.conftest import make_config
+from tests.parallel.cp_helpers import ring_blocks
 
 
 def test_cp_sits_between_dp_and_tp():
@@ -46,10 +47,9 @@ def test_cp_mistakes_are_refused_with_the_fix(overrides, text, tmp_path):
 
 
 
-@pytest.mark.parametrize("backend", ["flex", "flash"])
-def test_backends_without_a_ring_block_are_refused_not_run_eagerly(backend, tmp_path):
-    """flex and flash would run the eager block math under cp (every block's scores stored):
-    refused naming the backends that run inside the ring."""
+def test_flash_is_refused_under_cp_not_run_eagerly(tmp_path):
+    """flash would run the eager block math under cp (every block's scores stored): refused
+    with the reason, naming the backends that run inside the ring; flex runs there."""
     import dataclasses
 
     from hpctrain.validate_cp import check_cp
@@ -57,10 +57,45 @@ def test_backends_without_a_ring_block_are_refused_not_run_eagerly(backend, tmp_
     cfg = make_config(["model=debug", "train=debug", "parallel=cp2", "cluster.procs_per_node=2"],
                       run_dir=tmp_path)
     assert check_cp(cfg) == []
-    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=backend))
+    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="flash"))
     (err,) = check_cp(bad)
-    assert err.startswith(f"model.attention={backend} with parallel.cp=2: ring attention has "
-                          f"no {backend} block yet") and "use model.attention=triton" in err
+    assert err.startswith("model.attention=flash with parallel.cp=2 is refused: ring attention "
+                          "runs each block's backward")
+    assert "use model.attention=flex or triton" in err
+    flex = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="flex"))
+    assert check_cp(flex) == []
+
+
+def test_flex_block_forward_equals_the_eager_block_fp64():
+    """flex_attention's block (its BlockMask from the ids; the reference path in fp64 on CPU)
+    gives the eager block's output and log-sum-exp, −inf on the rows its mask empties."""
+    from hpctrain.parallel.context.blocks import block_forward
+    from hpctrain.parallel.context.flex_block import flex_block_forward
+
+    seen_empty_rows = False
+    for block, q, k, v, *_ in ring_blocks():
+        o, lse = flex_block_forward(q, k, v, block)
+        o1, lse1 = block_forward(q, k, v, block)
+        torch.testing.assert_close(o, o1, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, lse1, rtol=1e-12, atol=1e-12)
+        seen_empty_rows |= bool(lse1.isinf().any())
+    assert seen_empty_rows
+
+
+def test_block_backward_through_autograd_equals_the_analytic_one_fp64():
+    """The chain rule flex's backward runs under cp (dL/do_b = w·dO, dL/dlse_b =
+    w·(rowsum(dO ⊙ o_b) − D)), applied to the eager forward by autograd, equals the
+    FlashAttention-2 backward of blocks.block_backward on every block (documents, GQA, empty
+    rows). flex itself has no CPU backward: tests/gpu runs it."""
+    from hpctrain.parallel.context.blocks import block_backward, block_forward
+    from hpctrain.parallel.context.flex_block import autograd_block_backward
+
+    through_autograd = autograd_block_backward(block_forward)
+    for block, q, k, v, do, lse, d in ring_blocks():
+        got = through_autograd(q, k, v, block, do, lse, d)
+        want = block_backward(q, k, v, block, do, lse, d)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -6,8 +6,10 @@ blocks.py; `sdpa` torch's fused CPU forward (sdpa_lse.py) with the eager backwar
 hpctrain's FlashAttention-2 kernels in both directions (ops/triton_attention_block.py), which
 build each block's mask from the chunks' document ids inside their tiles and never hold a C×C
 score matrix or mask (ring.block_mask skips empty blocks from the chunk indices and document
-boundaries; only the eager and sdpa math form Block.mask_BCC). flex
-and flash have no block form yet: refused under cp (BLOCK_BACKENDS).
+boundaries; only the eager and sdpa math form Block.mask_BCC); `flex` torch's flex_attention
+with a BlockMask per block and the log-sum-exp it returns, its backward through flex's own
+(flex_block.py). `flash` has no block form: refused under cp (BLOCK_BACKENDS,
+hpctrain.validate_cp says why).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from hpctrain.ops.triton_attention_block import triton_block_backward, triton_block_forward
 from hpctrain.parallel.context.blocks import Block, block_backward, block_forward
+from hpctrain.parallel.context.flex_block import flex_block_backward, flex_block_forward
 from hpctrain.parallel.context.sdpa_lse import sdpa_block_forward
 
 
@@ -44,10 +47,10 @@ def triton_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BN
 BlockFns = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., tuple]]
 
 
-# Backends whose own math runs each block of the ring (eager's is the reference). flex and
-# flash have no block form here yet: hpctrain.validate_cp refuses them under cp instead of
-# running the eager math behind the user's back (it stores each block's C×C scores).
-BLOCK_BACKENDS = ("eager", "sdpa", "triton")
+# Backends whose own math runs each block of the ring (eager's is the reference). flash has
+# no block form: hpctrain.validate_cp refuses it under cp instead of running the eager math
+# behind the user's back (it stores each block's C×C scores).
+BLOCK_BACKENDS = ("eager", "sdpa", "triton", "flex")
 
 
 def block_functions(backend: str) -> BlockFns:
@@ -56,4 +59,6 @@ def block_functions(backend: str) -> BlockFns:
         return triton_forward, triton_backward
     if backend == "sdpa":
         return sdpa_block_forward, block_backward
+    if backend == "flex":
+        return flex_block_forward, flex_block_backward
     return block_forward, block_backward
