@@ -58,7 +58,7 @@ def _measure(rank: int, world: int, args) -> dict:
     cfg = bench_config(layers=layers, dim=128, seq=L)
     model = build_model(cfg, seed=0)
     comm = RingComm(dist.group.WORLD, timeout=datetime.timedelta(seconds=120), backend="sdpa")
-    apply_context_parallel(model, comm)
+    apply_context_parallel(model, comm, token_group=comm.group)
     apply_compile(model, mode, attention=cfg.attention)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, L + 1), generator=g)

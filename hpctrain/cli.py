@@ -194,6 +194,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "mfu" in summary and summary["mfu"] is None:
         lines.append(f"  {'mfu':<22} null (no dense bf16 peak known for this device)")
     if summary.get("run_dir"):
+        plot = "training.png, " if summary.get("plot") else ""
         lines.append(f"outputs in {summary['run_dir']} (summary.json, metrics.jsonl, "
-                     "training.png, checkpoints/)")
+                     f"{plot}checkpoints/)")
     return "\n".join([*lines, rule])

@@ -140,19 +140,35 @@ def _nested(values: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _checked(names: tuple[str, ...], run_dir: str, more: dict[str, Any]):
+    """(Config or None, the problems hpctrain.validate finds) of features `names` on BASE,
+    with the values `more` on top."""
+    values = {**BASE, **combine(names), **more}
+    values["cluster.procs_per_node"] = ranks(values)
+    config, problems = collect(_nested(values), run_dir=run_dir)
+    if config is None:
+        return None, tuple(p.text for p in problems)
+    return config, tuple(p.text for p in problems_of(config, found=problems))
+
+
 @functools.cache
 def refusals(names: tuple[str, ...]) -> tuple[str, ...] | None:
     """Why hpctrain.validate refuses features `names` together (empty: accepted); None when
     they are alternatives (one key, two values)."""
-    values = combine(names)
-    if values is None:
+    if combine(names) is None:
         return None
-    values = {**BASE, **values}
-    values["cluster.procs_per_node"] = ranks(values)
-    config, problems = collect(_nested(values), run_dir=".")
-    if config is None:
-        return tuple(p.text for p in problems)
-    return tuple(p.text for p in problems_of(config, found=problems))
+    return _checked(names, ".", {})[1]
+
+
+def config(names: tuple[str, ...], *, run_dir: str, more: dict[str, Any] | None = None):
+    """The validated Config of features `names` together — the cell's own config, which the
+    matrix's tests run — with the values `more` (dotted keys) on top; ValueError if refused."""
+    if combine(names) is None:
+        raise ValueError(f"features {names} set one key to two values")
+    built, problems = _checked(names, run_dir, dict(more or {}))
+    if problems:
+        raise ValueError(f"features {names} are refused: " + "; ".join(problems))
+    return built
 
 
 def pairs() -> list[tuple[str, str]]:

@@ -4,7 +4,8 @@ The zigzag layout (hpctrain.parallel.context.shard) cuts every row into 2·cp eq
 the sequence length must divide by 2·cp. Activation checkpointing composes with cp (full
 reruns the ring in backward, selective leaves ring attention alone: models/checkpointing.py),
 and so does train.compile (dynamo breaks the graph at the ring's exchanges: models/compile.py).
-Whatever is not built yet with cp > 1 is refused here, never run silently wrong.
+Each backend's own kernels run the ring's blocks (parallel/context/backends.py); flash, which
+cannot, is refused here with the reason, never run silently with the eager math.
 """
 
 from __future__ import annotations

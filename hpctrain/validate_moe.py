@@ -13,9 +13,10 @@ all-to-alls in backward, on every ep rank in the same order. With cp each rank r
 of the rows and the router statistics are summed over cp (dropless); with ep > 1 each cp or sp
 rank exchanges its own tokens with the ep ranks of its cp and tp coordinates, and the expert
 gradients are summed over the expert-data group, which spans cp (distributed.dims.edp_ranks).
-Under train.compile the MoE layers run eagerly (hpctrain.models.compile). A capacity with cp
-or sp is refused by design (it would all-gather the router scores before every MoE layer);
-sp with cp is not built yet (the tp × cp group). Each refusal names the fix.
+With sp and cp together the statistics are summed over the cp × tp ranks (the mesh's cp_tp
+group). Under train.compile the MoE layers run eagerly (hpctrain.models.compile). A capacity
+with cp or sp is refused by design (it would all-gather the router scores before every MoE
+layer), naming the fix.
 """
 
 from __future__ import annotations
@@ -53,9 +54,4 @@ def check_moe(c: Config) -> list[str]:
                     "every token's router scores over them; the dropless router needs no such "
                     "exchange: set model.moe.capacity_factor=0 (dropless), or "
                     f"{'parallel.cp=1' if p.cp > 1 else 'parallel.sp=false'}")
-    if p.tp > 1 and p.sp and p.cp > 1:
-        errs.append(f"parallel.sp=true with parallel.cp={p.cp} and model.moe.num_experts="
-                    f"{m.num_experts} is not built yet (the router's statistics would be "
-                    "summed over the tp × cp ranks, a group the mesh does not make): set "
-                    "parallel.sp=false, or parallel.cp=1")
     return errs

@@ -32,8 +32,10 @@ Axis = Literal["pp", "dp", "cp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp", "cp", "tp")  # slowest to fastest
 # Every process group a rank belongs to, by name (`ParallelDims.ranks_in`): the four axes, the
 # gradient/ZeRO groups (dp_cp; shard and replicate under HSDP), the expert groups, the world.
-GroupName = Literal["world", "pp", "dp", "cp", "tp", "dp_cp", "shard", "replicate", "ep", "edp"]
-GROUP_NAMES: tuple[GroupName, ...] = ("world", *AXES, "dp_cp", "shard", "replicate", "ep", "edp")
+GroupName = Literal["world", "pp", "dp", "cp", "tp", "dp_cp", "shard", "replicate", "ep", "edp",
+                    "cp_tp"]
+GROUP_NAMES: tuple[GroupName, ...] = ("world", *AXES, "dp_cp", "shard", "replicate", "ep", "edp",
+                                      "cp_tp")
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,13 @@ class ParallelDims:
         every cp coordinate): the experts' ZeRO group; their replicas are `replicate_ranks`."""
         expert = self.coords(rank)["dp"] % self.ep
         return [r for r in self.shard_ranks(rank) if self.coords(r)["dp"] % self.ep == expert]
+
+    def cp_tp_ranks(self, rank: int) -> list[int]:
+        """Ranks sharing `rank`'s pp and dp coordinates: the cp×tp ranks that hold the parts of
+        one micro-batch's rows under cp with sp (MoE routing statistics are summed over them)."""
+        c = self.coords(rank)
+        return [self.rank_of(pp=c["pp"], dp=c["dp"], cp=k, tp=t)
+                for k in range(self.cp) for t in range(self.tp)]
 
     def ranks_in(self, name: GroupName, rank: int) -> list[int]:
         """The global ranks of `rank`'s group `name` (GROUP_NAMES), in group order."""

@@ -11,6 +11,7 @@ counted. `peak_bytes` is the largest live total seen since `reset`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -37,15 +38,17 @@ class ActivationMeter:
         self.sizes: dict[int, int] = {}
         self.live = 0
         self.peak_bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        pack, unpack = self._pack, self._unpack
+        if "torch._dynamo" in sys.modules:  # train.compile built the model: the hooks run
+            # between compiled graphs, and dynamo must not trace them (it would guard on each
+            # storage address, recompile per tensor and rebuild _Saved without its fields);
+            # without compile dynamo stays unimported (seconds per rank)
+            pack, unpack = torch.compiler.disable(pack), torch.compiler.disable(unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def reset(self) -> None:
         self.peak_bytes = self.live
 
-    # Python that autograd calls between compiled graphs: dynamo must not trace it (it would
-    # guard on each storage address, recompile per tensor and rebuild _Saved objects
-    # without their fields).
-    @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -59,7 +62,6 @@ class ActivationMeter:
         return _Saved(self, key, t)
 
     @staticmethod
-    @torch.compiler.disable
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
 

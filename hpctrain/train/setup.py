@@ -69,7 +69,8 @@ def build_rank_model(cfg: Config, mesh: Mesh, *, schedule: Schedule | None) -> R
         apply_fp8(model, recipe=t.fp8_recipe, skip=t.fp8_skip)
     model.to(mesh.device)
     cp_comm = RingComm(mesh.group("cp"), timeout=mesh.timeout, backend=m.attention)
-    apply_context_parallel(model, cp_comm, transport=p.cp_comm)  # cp > 1: the ring
+    rows = mesh.group("cp_tp") if plan is not None and p.sp else cp_comm.group  # MoE routing
+    apply_context_parallel(model, cp_comm, token_group=rows, transport=p.cp_comm)  # cp > 1
     # After tp sharding, so recomputation reruns the sharded layers (names unchanged).
     apply_activation_checkpointing(model, t.activation_checkpointing)
     apply_compile(model, t.compile, attention=m.attention)  # after both

@@ -380,7 +380,8 @@ class Trainer:
                      world_size=self.mesh.dims.world_size, completed_steps=self.step)
         if self.cfg.train.compile != "none":
             extra.update(self.compile_watch.summary())
-        plot = plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
+        plot = (plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "training.png")
+                if self.cfg.logger.plot else None)
         extra["plot"] = str(plot) if plot else None
         summary = summarize(list(self.history), cfg=self.cfg, run_dir=self.run_dir, extra=extra,
                             evicted=self.steps_run - len(self.history))

@@ -87,7 +87,7 @@ def cp_equals_single(attention: str, documents: bool, L: int = 32,
         comm = RingComm(dist.group.WORLD, timeout=TIMEOUT, backend=attention)
         model = build_model(cfg, seed=3).double()
         model.load_state_dict(ref.state_dict())
-        apply_context_parallel(model, comm, transport=transport)
+        apply_context_parallel(model, comm, token_group=comm.group, transport=transport)
         apply_activation_checkpointing(model, checkpointing)
         model.zero_grad(set_to_none=True)
         inp, tgt, sdocs = shard_micro_batch(inputs_BL, targets_BL, docs, rank=comm.rank,

@@ -3,6 +3,8 @@ fp32, dropped tokens identical under a capacity factor (sharing the session's wo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.parallel import moe_helpers as h
@@ -89,14 +91,22 @@ def test_trainer_ep2_and_ep2_tp2_match_ep1_and_log_routing_metrics(world2, world
     [*BASE, "parallel.ep=2", "train.activation_checkpointing=full"],  # all-to-alls rerun
     ["parallel.cp=2"],  # each cp rank routes its part of the rows
     ["parallel.tp=2", "parallel.sp=true"],  # each tp rank routes its sequence shard
-], ids=["tp2_pp2", "tp2_pp2_zb_h1", "ep2_full_recompute", "cp2", "tp2_sp"])
+    ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2"],  # statistics over cp × tp
+    [*BASE, "parallel.ep=2", "parallel.cp=2"],  # each cp rank's tokens to its ep peers
+    [*BASE, "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+], ids=["tp2_pp2", "tp2_pp2_zb_h1", "ep2_full_recompute", "cp2", "tp2_sp", "tp2_sp_cp2",
+        "ep2_cp2", "ep2_tp2_sp"])
 def test_trainer_moe_compositions_follow_ep1(world2, world4, tmp_path, ep1, layout):
     """MoE with tp × pp (each stage's dense layers tensor-parallel, its router and experts whole
     on every tp rank), full recompute at ep=2 (the recomputed blocks rerun their all-to-alls
     in backward, on every ep rank in the same order), cp=2 and tp=2 with sp (router statistics
-    summed over the ranks holding parts of the rows) follow the ep=1 trajectory (fp32) with the
-    same router metrics."""
-    world = world4 if "parallel.pp=2" in layout else world2
+    summed over the ranks holding parts of the rows: cp, tp, or both), and ep=2 with cp or sp
+    (each rank exchanges its own tokens with its ep peers; the expert gradients summed over the
+    expert-data group, which spans cp) follow the ep=1 trajectory (fp32) with the same router
+    metrics."""
+    axes = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
+    ranks = math.prod(int(o.split("=")[1]) for o in layout if o.split("=")[0] in axes)
+    world = world4 if ranks == 4 else world2
     runs = world.run(h.trainer_moe, layout, str(tmp_path / "run"))
     got = next(r for r in runs if r and r[0][2])  # the logging rank
     for (loss1, norm1, m1), (loss2, norm2, m2) in zip(ep1, got, strict=True):
@@ -136,3 +146,21 @@ def test_fp8_experts_at_ep2_follow_ep1(world2, tmp_path):
     bf16 = world2.run(h.trainer_moe, [*BASE, "train.precision=bf16", "parallel.ep=2"],
                       str(tmp_path / "bf16"))[0]
     assert max(abs(a[0] - b[0]) / b[0] for a, b in zip(two, bf16, strict=True)) > 1e-4
+
+
+def test_pp2_ep2_checkpoint_resumes_on_one_rank(world4, tmp_path):
+    """A checkpoint of pp=2 × dp=2 with ep=2 (experts sharded over the dp ranks of each stage,
+    ZeRO-1) resumes on one rank (ep=1) and continues the uninterrupted trajectory (fp32)."""
+    from hpctrain.train import checkpoint as ckpt
+    from tests.conftest import get_world
+    from tests.parallel.trainer_runs import assert_trajectory_close, train_in_world
+
+    moe = ["model=debug_moe"]
+    want = get_world(1).run(train_in_world, moe, str(tmp_path / "ref"))[0]
+    world4.run(train_in_world, [*moe, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                                "parallel.zero=1", "train.stop_after=2"], str(tmp_path / "saved"))
+    path = ckpt.latest_complete(tmp_path / "saved")
+    assert path is not None and path.name.endswith("00000002")
+    got = get_world(1).run(train_in_world, [*moe, f"train.resume={path}"],
+                           str(tmp_path / "resumed"))[0]
+    assert_trajectory_close(got, want[2:])

@@ -14,7 +14,8 @@ from tests.conftest import make_config
 STEPS = 4
 
 
-BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "data.max_bytes=200000",
+BASE = ["model=debug", "train=debug", "logger.wandb=disabled", "logger.plot=false",
+        "data.max_bytes=200000",
         "train.eval_every=0", "train.global_batch_size=8", "optim.warmup_steps=1"]
 
 

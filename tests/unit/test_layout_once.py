@@ -40,7 +40,7 @@ LAYOUTS = [_random_parallel(random.Random(seed)) for seed in range(150)]
 def _sizes(d: ParallelDims) -> dict[str, int]:
     return {"world": d.world_size, "pp": d.pp, "dp": d.dp, "cp": d.cp, "tp": d.tp,
             "dp_cp": d.dp * d.cp, "shard": d.shard_size, "replicate": d.dp_replicate,
-            "ep": d.ep, "edp": d.expert_shard_size}
+            "ep": d.ep, "edp": d.expert_shard_size, "cp_tp": d.cp * d.tp}
 
 
 @pytest.mark.parametrize("p", LAYOUTS, ids=lambda p: Layout.of(p).describe().replace(" ", "_"))

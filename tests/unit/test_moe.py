@@ -109,8 +109,8 @@ def test_layer_matches_per_token_reference_and_records_losses():
      "set model.moe.capacity_factor=0 (dropless)"),
     (["model=debug_moe", "parallel.tp=2", "parallel.sp=true", "model.moe.capacity_factor=1"],
      "set model.moe.capacity_factor=0 (dropless), or parallel.sp=false"),
-    (["model=debug_moe", "parallel.tp=2", "parallel.sp=true", "parallel.cp=2",
-      "cluster.procs_per_node=4"], "set parallel.sp=false, or parallel.cp=1"),
+    (["model=debug_moe", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+      "model.moe.capacity_factor=1", "cluster.procs_per_node=4"], "or parallel.cp=1"),
 ])
 def test_bad_moe_layouts_are_refused_naming_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):

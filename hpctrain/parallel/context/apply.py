@@ -34,18 +34,20 @@ class RingAttentionCore(nn.Module):
         return self.fn(q_BNSH, k_BKSH, v_BKSH, docs, comm=self.comm)
 
 
-def apply_context_parallel(model: nn.Module, comm: RingComm, *,
+def apply_context_parallel(model: nn.Module, comm: RingComm, *, token_group,
                            transport: str = "ring") -> nn.Module:
     """Replace every block's attention core of `model` (the whole model, or a rank's pipeline
     stages; its family says where the core is) by ring attention over `comm` (`transport`
     "ring", or "allgather": parallel.cp_comm), in place; returns `model`. A cp group of one
     rank leaves the model as it is. The last stage's loss stays the shard's own mean; the step
     weights it by the shard's real tokens over the dp×cp group
-    (hpctrain.parallel.step.loss_divisors)."""
+    (hpctrain.parallel.step.loss_divisors). MoE layers sum their routing statistics over
+    `token_group`, the ranks holding the parts of the rows: the cp group (`comm.group`), or
+    under sp the cp×tp ranks (the mesh's cp_tp group)."""
     if comm.size == 1:
         return model
     for layer in moe_layers(model):  # tokens routed where they are, statistics over the row
-        layer.token_group = comm.group
+        layer.token_group = token_group
     parent, _, attr = family_of(model.cfg).attention_core.rpartition(".")
     for block in model_blocks(model):
         owner = block.get_submodule(parent) if parent else block
