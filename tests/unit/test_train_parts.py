@@ -109,3 +109,16 @@ def test_summary_counts_total_and_active_parameters(tmp_path):
     assert (moe["params"], moe["params_active"]) == (total, total - idle)
     text = format_summary(moe)
     assert "params_active" in text and "mfu_flops              active" in text
+
+
+def test_logger_plot_false_draws_no_plot_and_the_summary_names_none(tmp_path):
+    """logger.plot=false: the run writes no training.png and its summary's outputs line does
+    not name one (logger.plot=true, the default: tests/integration/test_train_run.py)."""
+    from hpctrain.cli import format_summary
+    from tests.conftest import get_world
+    from tests.parallel.trainer_runs import train_in_world
+
+    get_world(1).run(train_in_world, [], str(tmp_path))  # BASE has logger.plot=false
+    assert not (tmp_path / "training.png").exists()
+    assert "training.png" not in format_summary({"run_dir": str(tmp_path), "plot": None})
+    assert "training.png" in format_summary({"run_dir": str(tmp_path), "plot": "x.png"})
