@@ -52,10 +52,6 @@ class Feature:
     # and compiling the blocks, measured on 2 CPU cores)
     cost: float = 0.0
 
-    @property
-    def overrides(self) -> list[str]:
-        return [f"{key}={_text(value)}" for key, value in self.values]
-
 
 def _feature(name: str, title: str, *, cost: float = 0.0, **values: Any) -> Feature:
     return Feature(name, title, tuple((key.replace("__", "."), value)
@@ -201,9 +197,11 @@ def cost(run: tuple[str, ...], *, cores: int = 2) -> float:
     return 1.0 + n * max(1.0, n / cores) * (0.05 + sum(BY_NAME[f].cost for f in run))
 
 
+_FEATURE_INDEX = {f.name: i for i, f in enumerate(FEATURES)}
+
+
 def _order(names) -> tuple[str, ...]:
-    index = {f.name: i for i, f in enumerate(FEATURES)}
-    return tuple(sorted(names, key=index.__getitem__))
+    return tuple(sorted(names, key=_FEATURE_INDEX.__getitem__))
 
 
 def _runnable(run: tuple[str, ...]) -> bool:
