@@ -150,7 +150,7 @@ def format_result(task: str, result: dict[str, Any]) -> str | None:
         return format_summary(result)
     if task == "simulate":
         return (f"{result['text']}\noutputs: {result['json']}, {result['timeline_png']}")
-    if task in ("plan", "compat"):
+    if task in ("plan", "compat", "dryrun"):
         return f"{result['text']}\noutputs: {result['path']}"
     if task == "bench":
         report = Path(result["report"])

@@ -36,6 +36,9 @@ class ClusterConfig:
     time_min: int = 60  # --time; submitit sends USR2 signal_delay_s before it
     constraint: str | None = None
     exclude: str | None = None
+    # Before submitting a training job: set up its chosen ranks on meta tensors (task=dryrun,
+    # hpctrain.plan.dryrun) and submit only when every one fits the usable memory.
+    check_before_submit: bool = False
     gpus_per_node: int = 0  # > 0 adds --gres=gpu:N
     cpus_per_task: int = 1
     mem_gb: int | None = None  # 0: all of a node's memory (--mem=0)
@@ -254,7 +257,7 @@ class LoggerConfig:
 
 
 Task = Literal["train", "simulate", "bench", "plan", "prepare", "export", "generate",
-               "eval", "compat"]
+               "eval", "compat", "dryrun"]
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,7 @@ _GROUPS = {
 
 
 # Task groups (Config.extra), each read and checked by its own task; anything else is a typo.
-TASK_GROUPS = ("bench", "simulate", "plan", "export", "generate", "eval")
+TASK_GROUPS = ("bench", "simulate", "plan", "export", "generate", "eval", "dryrun")
 
 
 def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[Problem]]:

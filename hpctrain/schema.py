@@ -26,18 +26,20 @@ from hpctrain.bench.config import BenchConfig
 from hpctrain.config import _GROUPS, TaskConfig
 from hpctrain.config_build import config_key
 from hpctrain.parallel.pipeline.sim_task import SimulateConfig
+from hpctrain.plan.dryrun_config import DryrunConfig
 from hpctrain.plan.task import PlanConfig
 from hpctrain.train.eval_config import EvalConfig
 from hpctrain.train.export_config import ExportConfig
 from hpctrain.train.generate_config import GenerateConfig
 
-# Every group Hydra composes → its dataclass. bench/plan/simulate/export/eval reach Config.extra
-# and are built by their tasks (bench.config.bench_config, plan.task.plan_settings, sim_task,
-# export_config.export_settings, eval_config.eval_settings).
+# Every group Hydra composes → its dataclass. bench/plan/simulate/export/eval/dryrun reach
+# Config.extra and are built by their tasks (bench.config.bench_config, plan.task.plan_settings,
+# sim_task, export_config.export_settings, eval_config.eval_settings,
+# dryrun_config.dryrun_settings).
 SCHEMAS: dict[str, type] = {**_GROUPS, "task": TaskConfig, "bench": BenchConfig,
                             "plan": PlanConfig, "simulate": SimulateConfig,
                             "export": ExportConfig, "generate": GenerateConfig,
-                            "eval": EvalConfig}
+                            "eval": EvalConfig, "dryrun": DryrunConfig}
 
 
 def defaults_of(cls: type) -> dict[str, Any]:

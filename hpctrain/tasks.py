@@ -100,10 +100,18 @@ def compat_task(cfg: Config) -> dict[str, Any]:
     return {"text": text, "path": str(path)}
 
 
+def dryrun_task(cfg: Config) -> dict[str, Any]:
+    """Chosen ranks of the job set up on meta tensors, against the planner
+    (hpctrain.plan.dryrun), to dryrun.json and dryrun.md."""
+    from hpctrain.plan.dryrun import run_dryrun
+
+    return run_dryrun(cfg)
+
+
 # Analytical tasks run once in this process, with no ranks.
 ONCE_TASKS = {"simulate": simulate_task, "plan": plan_task, "prepare": prepare_task,
               "export": export_task, "generate": generate_task, "eval": eval_task,
-              "compat": compat_task}
+              "compat": compat_task, "dryrun": dryrun_task}
 
 
 def preflight(cfg: Config) -> None:

@@ -19,6 +19,7 @@ from hpctrain.config import Config
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
+from hpctrain.plan.dryrun_config import chosen_ranks, refuse_unbuildable
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.optim import wsd_decay_steps
@@ -261,6 +262,11 @@ def check_plan(c: Config) -> list[str]:
     return errs + _errors_of(c, plan_cluster)
 
 
+def check_dryrun(c: Config) -> list[str]:
+    """task=dryrun: the dryrun.* settings and its ranks inside the job's world."""
+    return _errors_of(c, chosen_ranks, refuse_unbuildable)
+
+
 def check_cluster_spec(c: Config) -> list[str]:
     """A run predicts its step time from cluster.accelerator or cluster.calibration (a
     bench.json): a name not in the table or a missing file is refused here, not in the ranks."""
@@ -325,6 +331,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_bench: ("bench", "cluster.", "parallel."),
     check_simulate: _BATCH,
     check_plan: ("plan", "cluster.", *_BATCH, *_SHAPE, "train."),
+    check_dryrun: ("dryrun", "parallel.", "model.moe."),
     check_export: ("export",),
     check_export_every: ("train.export_every", "train.keep_every", "train.checkpoint_every",
                          "model."),
@@ -359,6 +366,9 @@ TASK_CHECKS: dict[str, tuple[Check, ...]] = {
     "eval": (check_eval_task,),
     # task=compat validates its own cells (hpctrain.compat), whatever else is configured.
     "compat": (),
+    # task=dryrun sets up ranks of the job on meta tensors here: everything a training run
+    # checks but the data and this machine's devices (the job's are elsewhere).
+    "dryrun": (*(c for c in CHECKS if c not in (check_device, check_attention)), check_dryrun),
 }
 
 

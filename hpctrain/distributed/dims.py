@@ -160,11 +160,20 @@ class ParallelDims:
 
     def all_of(self, ranks_of) -> list[list[int]]:
         """Every group `ranks_of(rank)` gives, each once, in a fixed order (new_group needs
-        every rank to create every group in the same order)."""
-        seen: dict[tuple[int, ...], None] = {}
+        every rank to create every group in the same order): ordered by their lowest rank.
+        The groups of one name partition the world (`rank` is in `ranks_of(rank)`), so each is
+        computed once, from its lowest rank: linear in the world size (the dry run sets up
+        16,384 ranks)."""
+        covered = bytearray(self.world_size)
+        groups = []
         for r in range(self.world_size):
-            seen.setdefault(tuple(ranks_of(r)), None)
-        return [list(g) for g in seen]
+            if covered[r]:
+                continue
+            group = list(ranks_of(r))
+            for member in group:
+                covered[member] = 1
+            groups.append(group)
+        return groups
 
     def all_groups(self, axis: Axis) -> list[list[int]]:
         """Every group along `axis`, each listed once, in a fixed order (new_group needs it)."""

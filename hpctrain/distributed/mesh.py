@@ -109,12 +109,13 @@ class Mesh:
 
 def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
                timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-               heartbeat: Heartbeat = NO_HEARTBEAT) -> Mesh:
+               heartbeat: Heartbeat = NO_HEARTBEAT, io_backend: str = "gloo") -> Mesh:
     """Create every named group, each with `timeout` (a stuck collective raises after it
     instead of waiting torch's 30-minute default); requires an initialised default process
     group of the right size, which should carry the same timeout. A one-rank group is created
     by this rank alone (hashed name, no store round trip with the others), so a degree-1 axis
-    costs no collective setup."""
+    costs no collective setup. `io_backend`: the checkpoint writer's group (gloo; the dry run's
+    fake backend in `hpctrain.plan.dryrun`)."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group has {dist.get_world_size()} ranks but the layout needs "
                          f"{dims.world_size} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}, "
@@ -127,7 +128,7 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
         if partition not in made:
             made[partition] = _make(partition, rank, timeout, name)
         mesh.groups[name] = made[partition]
-    mesh.io = dist.new_group(list(range(dims.world_size)), timeout=timeout, backend="gloo",
+    mesh.io = dist.new_group(list(range(dims.world_size)), timeout=timeout, backend=io_backend,
                              group_desc="io")
     return mesh
 

@@ -203,3 +203,8 @@ def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
     if errors:
         raise ValueError(f"{len(errors)} of {len(points)} sweep point(s) have less data than a "
                          "batch; nothing was launched:\n" + "\n".join(errors))
+    for i, point in enumerate(points):
+        if point.task == "train" and point.cluster.check_before_submit:
+            from hpctrain.plan.dryrun import check_before_submit  # torch, the model: seconds
+
+            check_before_submit(point, run_dir=Path(sweep_dir) / f"dryrun.{i}")

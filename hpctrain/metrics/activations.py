@@ -16,6 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
+from hpctrain.parallel.memory import storage_key
+
 
 class _Saved:
     """Holds one saved tensor; its release (autograd freeing the graph) lowers the count."""
@@ -33,7 +35,10 @@ class ActivationMeter:
     """Context manager counting live saved-for-backward bytes (module docstring)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        # Held, not only keyed: a storage freed later (ZeRO-3 re-points its parameters) could
+        # hand its address, and so its key, to a new tensor that must be counted.
+        self._held = [p.untyped_storage() for p in params if p.untyped_storage().nbytes()]
+        self.skip = {s._cdata for s in self._held}
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.live = 0
@@ -51,7 +56,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t)
         if key in self.skip or storage.nbytes() == 0:
             return t
         if self.refs.get(key, 0) == 0:

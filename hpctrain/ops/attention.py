@@ -52,6 +52,8 @@ def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Ten
     """torch's fused kernel: FlashAttention/cuDNN/memory-efficient on CUDA, flash on CPU.
     Documents become an explicit block-diagonal causal mask (which rules out the flash path)."""
     groups = q_BNLH.shape[1] // k_BKLH.shape[1]
+    if q_BNLH.device.type == "meta" and docs is None:
+        return _meta_fused(q_BNLH, k_BKLH, v_BKLH)
     if docs is None:
         return F.scaled_dot_product_attention(
             q_BNLH, k_BKLH, v_BKLH, is_causal=True, enable_gqa=groups > 1
@@ -59,6 +61,15 @@ def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Ten
     return F.scaled_dot_product_attention(
         q_BNLH, k_BKLH, v_BKLH, attn_mask=docs.mask_BLL()[:, None], enable_gqa=groups > 1
     )
+
+
+def _meta_fused(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
+    """sdpa on meta tensors (the dry run, hpctrain.plan.dryrun_rank): torch's dispatcher
+    picks its math path there (no fused kernel has a meta dispatch), which saves the L×L
+    scores; the flash kernel called directly saves what the fused kernels save on a device
+    (q, k, v with their own K heads, out, the fp32 log-sum-exp)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_BNLH, k_BKLH, v_BKLH, 0.0, True)[0]
 
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {

@@ -57,8 +57,7 @@ class Documents:
     @classmethod
     def single(cls, batch: int, length: int, *, device: torch.device | None = None) -> Documents:
         """One document per row (what an unpacked batch is)."""
-        ids_BL = torch.zeros(batch, length, dtype=torch.long, device=device)
-        return cls.from_ids(ids_BL)
+        return cls._of(torch.zeros(batch, length, dtype=torch.long, device=device))
 
     def to(self, device: torch.device | str) -> Documents:
         return Documents(ids_BL=self.ids_BL.to(device), positions_BL=self.positions_BL.to(device))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from hpctrain.ops.fp8 import E4M3, E5M2, Fp8Spec, Quantized, quantize, scaled_mm
-from hpctrain.ops.grads import accumulate_grad, compute_dtype
+from hpctrain.ops.grads import accumulate_grad, autocast_off, compute_dtype
 
 
 def _groups(spec: Fp8Spec) -> dict[str, object]:
@@ -55,7 +55,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue, spec: Fp8Spec):
         dtype = compute_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             y_TO, x_f, w_f = _forward(x, weight, bias, spec, dtype)
         ctx.save_for_backward(x_f.q, x_f.inv, w_f.q, w_f.inv)
         ctx.weight, ctx.bias, ctx.queue, ctx.spec = weight, bias, queue, spec

@@ -38,7 +38,7 @@ from torch import nn
 
 from hpctrain.ops.fp8 import Fp8Spec
 from hpctrain.ops.fp8_linear import Fp8LinearFunction
-from hpctrain.ops.grads import accumulate_grad, compute_dtype
+from hpctrain.ops.grads import accumulate_grad, autocast_enabled, autocast_off, compute_dtype
 
 # torch's own test for active saved-tensor hooks (checkpointing, offloading); absent → assume
 # active, which only costs speed (LinearFunction)
@@ -88,7 +88,7 @@ class LinearFunction(torch.autograd.Function):
             # this function costs over F.linear per forward + backward, measured)
             x_c, w_c, out = x, weight, F.linear(x, weight, bias)
         else:
-            with torch.autocast(x.device.type, enabled=False):
+            with autocast_off(x.device.type):
                 x_c, w_c = x.to(dtype), weight.to(dtype)
                 out = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x_c, w_c)
@@ -186,7 +186,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _hook_path_ok(x, weight, bias):
             return _deferrable_linear(x, weight, bias, queue)
         return LinearFunction.apply(x, weight, bias, queue)
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
         return LinearFunction.apply(x, weight, bias, None)
     return F.linear(x, weight, bias)
 

@@ -11,6 +11,13 @@ from collections.abc import Iterable
 import torch
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """One storage's identity, shared by its views: the address of torch's StorageImpl (a
+    data pointer is not one: every meta tensor's is 0, and the dry run's tensors are meta).
+    Like an address it is reused once the storage is freed: compare only live storages."""
+    return t.untyped_storage()._cdata
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind `tensors` (views and shared storages count once)."""
     seen = set() if seen is None else seen
@@ -19,7 +26,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
         if t is None:
             continue
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t)
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)

@@ -32,7 +32,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device: torch.device):
-    if precision == "fp32":
+    if precision == "fp32" or device.type == "meta":  # no autocast on meta (the dry run)
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 

@@ -7,12 +7,14 @@ measured). Per token of a microbatch (T = b·s/cp tokens), e = activation elemen
 fp32; 2 for the matmul outputs under bf16/fp16 autocast, whose norms still compute in fp32),
 h model width, K·d key/value width, N heads, f MLP width, t tp:
 
-  RMSNorm (×2)   input x (e·h), fp32 normalised y (4h), rstd (4), output (e·h); on T/t tokens
+  RMSNorm (×2)   input x in fp32 (4h), fp32 normalised y (4h), rstd (4), output (e·h); on T/t tokens
                  under sequence parallelism, whose all-gathered linear input adds e·h more
   attention      q and the output (e·h/t each), k and v after RoPE (e·K·d/t each), the fp32
                  log-sum-exp (4·N/t); a fused backend keeps no L×L matrix; eager adds the
                  probabilities and scores (2·e·N/t·s per token)
   SwiGLU         w1 and w3 outputs, silu(w1), their product (4·e·f/t)
+  RoPE           cos and sin cast to e for q and for k (4·e·d): per token with packed
+                 documents (positions differ by row), per position of a row without
   full recompute only each layer's input (e·h, /t under sp) plus one layer's set while it is
                  recomputed
 A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per token it routes
@@ -26,9 +28,9 @@ capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
                  rows' order (8): the rows a rank receives are its own count under uniform
                  routing, the stated bound (routing is data-dependent)
   shared         4·e·s·f_e
-Outside the layers, on the first stage: the token ids (8 bytes) and the RoPE tables of the
-microbatch (cos and sin, 2·4·d per token, shared by every layer); on the last stage: the final
-norm (as above), the logits (e·V/t) and the loss's fp32 log-softmax (4·V/t). The busiest stage
+Outside the layers, on the first stage: the token ids (8 bytes); on the last stage: the final
+norm (as above), the loss's fp32 log-softmax (4·V/t; the logits themselves are not kept) and the
+targets (8). The busiest stage
 is the larger of the first (most microbatches in flight) and the last (the head).
 """
 
@@ -39,7 +41,9 @@ from hpctrain.plan.experts import routed_copies
 
 
 def _norm(h: float, e: int) -> float:
-    return 2 * e * h + 4 * h + 4
+    """RMSNorm: its input in fp32 (a copy under 16 bits), the fp32 normalised y, the rstd,
+    and its output in the activation dtype (saved by the next linear)."""
+    return 8 * h + e * h + 4
 
 
 def layer_bytes_per_token(model: ModelConfig, *, seq_len: int, tp: int, sp: bool,
@@ -81,19 +85,29 @@ def mean_layer_bytes_per_token(model: ModelConfig, **kw) -> tuple[float, float]:
     return (1 - share) * dense + share * moe, max(dense, moe)
 
 
-def stage_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size: int,
-                           tp: int, sp: bool, pp: int, layers_per_chunk: float,
-                           in_flight: tuple[int, ...], recompute: str,
-                           precision: str, ep: int = 1, chunks: int = 1) -> dict[str, float]:
+def stage_activation_bytes(model: ModelConfig, **kw) -> dict[str, float]:
     """Peak saved bytes on the first and on the last pipeline stage (the same stage when
-    pp = 1). in_flight: (microbatch, chunk) sets alive at the peak of each pipeline rank,
-    first to last (the simulator's, `plan.bubble.in_flight_by_rank`), of `chunks` model
-    chunks per rank (virtual stages)."""
+    pp = 1): `rank_activation_bytes`' ends."""
+    ranks = rank_activation_bytes(model, **kw)
+    return {"first": ranks[0], "last": ranks[-1]}
+
+
+def rank_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size: int,
+                          tp: int, sp: bool, pp: int, layers_per_chunk: float,
+                          in_flight: tuple[int, ...], recompute: str,
+                          precision: str, ep: int = 1, chunks: int = 1,
+                          packed: bool = True, head_rank: int | None = None) -> list[float]:
+    """Peak saved bytes on each pipeline rank, first to last. in_flight: (microbatch, chunk)
+    sets alive at the peak of each pipeline rank (the simulator's,
+    `plan.bubble.in_flight_by_rank`), of `chunks` model chunks per rank (virtual stages);
+    `head_rank`: the pipeline rank holding the last chunk (default the last; zbv's V puts it
+    on the first)."""
     e = 4 if precision == "fp32" else 2
     tokens = micro_batch_size * seq_len
     mean, largest = mean_layer_bytes_per_token(model, seq_len=seq_len, tp=tp, sp=sp,
                                                precision=precision, ep=ep)
-    per_layer, recomputed = tokens * mean, tokens * largest
+    rope = 4 * e * model.head_dim * (tokens if packed else seq_len)
+    per_layer, recomputed = tokens * mean + rope, tokens * largest + rope
     stored_input = tokens * e * model.dim / (tp if sp else 1)
 
     def stored(sets: int) -> float:
@@ -101,11 +115,13 @@ def stage_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size
             return sets * layers_per_chunk * stored_input + recomputed
         return sets * layers_per_chunk * per_layer
 
-    first = stored(in_flight[0]) + in_flight[0] * tokens * (8 + 2 * 4 * model.head_dim)
-    head = tokens * (_norm(model.dim, e) + (e + 4) * model.vocab_size / tp + 8)
+    ranks = [stored(sets) for sets in in_flight]
+    ranks[0] += in_flight[0] * tokens * 8  # the token ids, on the embedding's rank
+    head = tokens * (_norm(model.dim, e) + 4 * model.vocab_size / tp + 8)
     if pp == 1:
-        return {"first": first + head, "last": first + head}
-    # the last stage keeps each microbatch's logits until its backward, like its layers; only
-    # the sets of the last of its `chunks` model chunks hold them
-    heads = -(-in_flight[-1] // chunks)
-    return {"first": first, "last": stored(in_flight[-1]) + heads * head}
+        return [ranks[0] + head]
+    # the head's rank keeps each microbatch's log-softmax until its backward, like its layers;
+    # only the sets of its last model chunk hold them
+    last = pp - 1 if head_rank is None else head_rank
+    ranks[last] += -(-in_flight[last] // chunks) * head
+    return ranks

@@ -105,7 +105,8 @@ def _limit_source(cfg: Config) -> str:
             " ranks")
 
 
-def _usable(cfg: Config, cluster: ClusterSpec) -> float:
+def usable_bytes(cfg: Config, cluster: ClusterSpec) -> float:
+    """Bytes one rank may use: `memory_limit` (else the device's memory) less plan.headroom."""
     limit = memory_limit(cfg, cluster)
     return (limit if limit is not None else cluster.device.memory_bytes) * (
         1 - plan_settings(cfg).headroom)
@@ -162,7 +163,7 @@ def candidates(cfg: Config, *, accept: Accept | None = None) -> list[Candidate]:
     `fits` judged against the usable memory (limit less headroom). The five fastest that
     `accept` takes (no problems) are simulated exactly; slower ones keep their lower bound."""
     cluster, t, settings = planning_cluster(cfg), cfg.train, plan_settings(cfg)
-    usable = _usable(cfg, cluster)
+    usable = usable_bytes(cfg, cluster)
     budget = cluster.with_(device=dataclasses.replace(cluster.device, memory_bytes=int(usable)))
     n = cfg.cluster.world_size
     found = search_layouts(
@@ -270,7 +271,7 @@ def choose_layout(cfg: Config, *, accept: Accept) -> tuple[Config, list[tuple[Ca
     if not order or order[0][1] != "best":
         closest = "; ".join(f"{c.layout.describe()} {c.recompute}: {c.memory.total / GIB:.3g} "
                             f"GiB ({why})" for c, why in order[:3])
-        usable = _usable(cfg, planning_cluster(cfg)) / GIB
+        usable = usable_bytes(cfg, planning_cluster(cfg)) / GIB
         raise ValueError(
             f"parallel=auto found no layout of {cfg.model.name} on {cfg.cluster.world_size} "
             f"rank(s){_keeping(cfg)} that fits {usable:.3g} GiB per rank (after plan.headroom="

@@ -97,16 +97,18 @@ def unit_numels(model: ModelConfig, *, zero: int, bucket_mb: float, elem_bytes: 
 
 def flat_state_bytes(model: ModelConfig, *, dp: int, zero: int, precision: str,
                      bucket_mb: float = 25.0, offload: str = "none", tp: int = 1, pp: int = 1,
-                     virtual_stages: int = 1, schedule: str = "1f1b") -> ModelStates:
+                     virtual_stages: int = 1, schedule: str = "1f1b",
+                     pp_rank: int | None = None) -> ModelStates:
     """Bytes the engine's ledger reports between steps on the busiest rank of a layout
-    (module docstring)."""
+    (module docstring), or on pipeline rank `pp_rank`."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be one of 0, 1, 2, 3")
     # every pp rank holds as many blocks; the ends add the embedding and the head
     ranks = [_rank_states(model, dp=dp, zero=zero, precision=precision, bucket_mb=bucket_mb,
                           offload=offload, held=rank_param_groups(
                               model, tp=tp, pp=pp, virtual_stages=virtual_stages,
-                              schedule=schedule, pp_rank=r)) for r in sorted({0, pp - 1})]
+                              schedule=schedule, pp_rank=r))
+             for r in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1}))]
     return max(ranks, key=lambda s: s.total + s.host)
 
 

@@ -59,7 +59,8 @@ def step_shape(cfg: Config) -> StepShape:
     return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                      microbatches=cfg.grad_accum, recompute=t.activation_checkpointing,
                      precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
-                     checkpoint_async=cfg.train.checkpoint_async)
+                     checkpoint_async=cfg.train.checkpoint_async,
+                     packed=cfg.data.packing != "none")
 
 
 def predicted_states(cfg: Config) -> ModelStates:

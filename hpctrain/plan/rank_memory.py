@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.plan.activations import stage_activation_bytes
+from hpctrain.plan.activations import rank_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.experts import is_moe
-from hpctrain.plan.flat_states import flat_state_bytes
+from hpctrain.plan.flat_states import flat_state_bytes, rank_param_groups
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.memory import (
     MemoryBreakdown,
@@ -56,6 +56,7 @@ class StepShape:
     fp8: bool = False
     bucket_mb: float = 25.0
     checkpoint_async: bool = True
+    packed: bool = True  # rows of packed documents (data.packing): RoPE per token
 
 
 def rank_memory(model, layout: Layout, step: StepShape, *,
@@ -71,7 +72,7 @@ def rank_memory(model, layout: Layout, step: StepShape, *,
             in_flight=max(in_flight), recompute=step.recompute, precision=step.precision,
             fp8=step.fp8, checkpoint_async=step.checkpoint_async)
     states = engine_states(model, layout, step)
-    acts = max(stage_activations(model, layout, step, in_flight=in_flight).values())
+    acts = max(rank_activations(model, layout, step, in_flight=in_flight))
     buffers = fp8_buffer_bytes(model, layout, in_flight=max(in_flight),
                                recompute=step.recompute) if step.fp8 else 0.0
     return MemoryBreakdown(
@@ -80,27 +81,52 @@ def rank_memory(model, layout: Layout, step: StepShape, *,
         staging=checkpoint_staging_bytes(model, layout) if step.checkpoint_async else 0.0)
 
 
-def engine_states(model: ModelConfig, layout: Layout, step: StepShape):
-    """Model-state bytes of the flat engine on the busiest rank (module docstring)."""
+def engine_states(model: ModelConfig, layout: Layout, step: StepShape, *,
+                  pp_rank: int | None = None):
+    """Model-state bytes of the flat engine on the busiest rank (module docstring), or on
+    pipeline rank `pp_rank` (dense models)."""
     if is_moe(model):
         return rank_state_bytes(model, layout, precision=step.precision)
     return flat_state_bytes(model, dp=layout.dims.shard_size, zero=layout.zero,
                             precision=step.precision, bucket_mb=step.bucket_mb,
                             offload=layout.offload, tp=layout.tp, pp=layout.pp,
-                            virtual_stages=layout.virtual_stages, schedule=layout.schedule)
+                            virtual_stages=layout.virtual_stages, schedule=layout.schedule,
+                            pp_rank=pp_rank)
+
+
+def rank_checkpoint_bytes(model: ModelConfig, layout: Layout, *, pp_rank: int) -> float:
+    """Bytes pipeline rank `pp_rank` writes to a checkpoint (dense models): 12 per parameter
+    it owns (fp32 master, both moments), its pipeline chunks' tp slices over the ZeRO shards
+    (all of them at zero 0); a tied embedding's copy on the head's rank is left to the
+    embedding's rank."""
+    embed, blocks, tail = rank_param_groups(
+        model, tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages,
+        schedule=layout.schedule, pp_rank=pp_rank)
+    if model.tied_embeddings and not embed and tail:
+        tail = tail[:-1]  # rank_param_groups' copy of E
+    owned = sum(embed) + sum(sum(b) for b in blocks) + sum(tail)
+    return 12.0 * owned / (layout.dims.shard_size if layout.zero >= 1 else 1)
 
 
 def stage_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
                       in_flight: tuple[int, ...]) -> dict[str, float]:
     """Saved-for-backward bytes at the peak on the first and the last pipeline stage."""
-    acts = stage_activation_bytes(
+    ranks = rank_activations(model, layout, step, in_flight=in_flight)
+    return {"first": ranks[0], "last": ranks[-1]}
+
+
+def rank_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
+                     in_flight: tuple[int, ...]) -> list[float]:
+    """Saved-for-backward bytes at the peak on each pipeline rank, first to last."""
+    acts = rank_activation_bytes(
         model, seq_len=step.seq_len // layout.cp, micro_batch_size=step.micro_batch_size,
         tp=layout.tp, sp=layout.sp, pp=layout.pp,
         layers_per_chunk=model.n_layers / (layout.pp * layout.virtual_stages),
         in_flight=in_flight, recompute=step.recompute, precision=step.precision, ep=layout.ep,
-        chunks=layout.virtual_stages)
+        chunks=layout.virtual_stages, packed=step.packed,
+        head_rank=0 if layout.schedule == "zbv" else layout.pp - 1)
     if layout.zero == 3 and layout.dims.shard_size > 1:  # gathered weights, saved until B
         gathered = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(
             step.precision)[0]
-        acts = {stage: value + gathered for stage, value in acts.items()}
+        acts = [value + gathered for value in acts]
     return acts

@@ -1,6 +1,8 @@
 """Predicted vs measured activation and peak memory on CPU (issue 17, item 4): the planner's
 count of what hpctrain's blocks save (plan.activations) against the ActivationMeter, plus the
-model-state ledger, within 15% for single, dp2 ZeRO-1/3, tp2 and pp2 runs."""
+model-state ledger, within 15% for single, dp2 ZeRO-1/3, tp2, pp2 and cp2 runs; and the dry
+run of each two-rank run's logging rank (task=dryrun, meta tensors, issue 29) equal to the
+ledger and the meter of the real run, byte for byte."""
 
 from __future__ import annotations
 
@@ -12,27 +14,28 @@ import pytest
 
 from hpctrain import tasks
 from hpctrain.metrics.logger import read_jsonl
+from hpctrain.plan.dryrun_rank import measure_rank
 from tests.conftest import make_config
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
          "logger.progress=plain", "train.steps=1", "train.eval_every=0",
-         "train.global_batch_size=8"]
+         "train.global_batch_size=8", "data.packing=none"]  # the dry run's whole rows
 LAYOUTS = {"dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
            "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
-           "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+           "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+DRY_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes",
+            "optim": "mem_optim_bytes", "buffers": "mem_buffers_bytes",
+            "activations": "mem_activation_peak_bytes", "host": "mem_optim_host_bytes"}
 
 
 def _train_on_rank(overrides: list[str], run_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.distributed.dims import ParallelDims
     from hpctrain.distributed.mesh import build_mesh
 
     cfg = make_config(overrides, run_dir=run_dir)
-    p = cfg.parallel
-    mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
-                      device=torch.device("cpu"))
+    mesh = build_mesh(cfg.parallel.dims, rank=dist.get_rank(), device=torch.device("cpu"))
     tasks.train_task(cfg, mesh)
 
 
@@ -65,6 +68,11 @@ def test_two_rank_peaks_within_15_percent(world2, tmp_path, name):
     world2.run(_train_on_rank, over, str(tmp_path))
     for ratio in _ratios(tmp_path):
         assert ratio == pytest.approx(1.0, abs=0.15), name
+    cfg = make_config(over, run_dir=tmp_path)
+    logging_rank = next(r for r in range(2) if cfg.parallel.dims.is_logging_rank(r))
+    dry = measure_rank(cfg, logging_rank)[0].as_dict()
+    ledger = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "mem_params_bytes" in r][-1]
+    assert {k: dry[k] for k in DRY_KEYS} == {k: ledger[v] for k, v in DRY_KEYS.items()}, name
 
 
 def test_states_exact_under_tp_and_zero_and_moe_peak_within_5_percent(world4, tmp_path):

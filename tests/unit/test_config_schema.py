@@ -182,7 +182,7 @@ def test_choices_come_from_the_literal_annotations():
     table = literal_table()
     assert table["train.precision"] == ("fp32", "bf16", "fp16")
     assert table["task"] == ("train", "simulate", "bench", "plan", "prepare",
-                             "export", "generate", "eval", "compat")
+                             "export", "generate", "eval", "compat", "dryrun")
     hints = {f"{g}.{k}": h for g, cls in _GROUPS.items()
              for k, h in typing.get_type_hints(cls).items()}
     assert all(typing.get_origin(hints[k]) is typing.Literal for k in table if k != "task")

@@ -57,6 +57,8 @@ def test_every_consumer_agrees_on_the_layout(p):
         partition = d.all_of(lambda r, n=name: d.ranks_in(n, r))
         assert sorted(r for g in partition for r in g) == list(range(d.world_size)), name
         assert {len(g) for g in partition} == {sizes[name]}, name
+        where = {r: g for g in partition for r in g}  # the rank's own group, computed once
+        assert all(d.ranks_in(name, r) == where[r] for r in range(d.world_size)), name
     for rank in range(d.world_size):
         shard, dp_cp = set(d.ranks_in("shard", rank)), set(d.ranks_in("dp_cp", rank))
         assert shard <= dp_cp and set(d.ranks_in("replicate", rank)) & shard == {rank}

@@ -5,7 +5,11 @@ cross entropy, NCCL's link shares: same memory, same winners, step times -0.1% t
 and for issue 26 (one memory model, plan.rank_memory: the search counts hpctrain's engine
 units and blocks for its own models: model states equal, activations 1.0-45× the GPT table's
 (sp's gathered norm outputs, the logits of the last stage, ZeRO-3's gathered weights), 8
-llama3_8b pipeline layouts no longer fit, same winners; GPT shapes unchanged).
+llama3_8b pipeline layouts no longer fit, same winners; GPT shapes unchanged), and for issue
+29 (the dry run measured hpctrain's blocks on meta tensors: RMSNorm keeps an fp32 copy of its
+16-bit input, the last stage keeps the fp32 log-softmax but not the logits, RoPE casts its
+tables per layer: activations 0.67-1.12×, no fit verdict changed, same winners, the order of
+near-equal candidates changed).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 

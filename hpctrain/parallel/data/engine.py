@@ -147,12 +147,24 @@ class DataParallel:
 
     def train_step(self, micro_batches, *, n_micro: int, precision: str, scaler: LossScaler,
                    grad_clip: float, loss_fn: Callable | None = None) -> StepResult:
+        micro_batches = list(micro_batches)
+        divisors = loss_divisors(micro_batches, dp_group=self.batch_group,
+                                 device=self.units[0].device)
+        multiplier = scaler.loss_multiplier()
+        loss_sum = self.accumulate(micro_batches, divisors=divisors, n_micro=n_micro,
+                                   precision=precision, multiplier=multiplier, loss_fn=loss_fn)
+        return self.reduce_and_update(scaler=scaler, multiplier=multiplier,
+                                      grad_clip=grad_clip, loss=loss_sum)
+
+    def accumulate(self, micro_batches, *, divisors, n_micro: int, precision: str,
+                   multiplier: float = 1.0, loss_fn: Callable | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch, its loss divided by its divisor (and
+        scaled by the loss `multiplier`); returns this rank's loss sum (fp64, 0-d). The last
+        backward of the accumulation window starts the reduction (overlapped) unless
+        `pre_reduce` is set. The dry run (hpctrain.plan.dryrun) calls it on meta tensors."""
         device = self.units[0].device
         loss_fn = lm_loss if loss_fn is None else loss_fn  # None: the model's own loss
-        multiplier = scaler.loss_multiplier()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        micro_batches = list(micro_batches)
-        divisors = loss_divisors(micro_batches, dp_group=self.batch_group, device=device)
         for i, (micro, divisor) in enumerate(zip(micro_batches, divisors, strict=True)):
             inputs_BL, targets_BL, docs = split_micro_batch(micro)
             docs = None if docs is None else docs.to(device)
@@ -165,8 +177,14 @@ class DataParallel:
                 total = loss if router is None else loss + router / divisor
                 (total * multiplier).backward()
             loss_sum += loss.detach().double()
-        return self.reduce_and_update(scaler=scaler, multiplier=multiplier,
-                                      grad_clip=grad_clip, loss=loss_sum)
+        return loss_sum
+
+    def reduce(self) -> None:
+        """Finish the gradient reduction: `pre_reduce` (tp, tied embeddings), then the dp
+        reduction the last backward started (or all of it, after `no_sync`)."""
+        if self.pre_reduce is not None:
+            self.pre_reduce()
+        self.reducer.finish()
 
     def reduce_and_update(self, *, scaler: LossScaler, multiplier: float, grad_clip: float,
                           loss: torch.Tensor | None) -> StepResult:
@@ -175,9 +193,7 @@ class DataParallel:
         hold no loss) over dp in place, agree on overflow, then clip + update unless the loss or
         the grad norm is non-finite; zero the gradients. Collective over the world when
         the norm spans more than dp (tp, pp). The result's grad norm is the one before clipping."""
-        if self.pre_reduce is not None:
-            self.pre_reduce()
-        self.reducer.finish()
+        self.reduce()
         if loss is not None:  # before the update, so every dp rank judges the same mean loss
             allreduce_mean([loss], self.batch_group)
         skipped = scaler.enabled and scaler.found_overflow(self.optimizer.grad_shards(),

@@ -68,7 +68,9 @@ class ShardedAdamW:
                                       "exp_avg_sq": torch.zeros_like(master)}
 
     def _make_master(self, unit: FlatUnit) -> torch.Tensor:
-        device = torch.device("cpu") if self.offload == "cpu" else unit.device
+        # offloaded to the host; the dry run's meta units keep meta masters (reported as host)
+        host = self.offload == "cpu" and unit.device.type != "meta"
+        device = torch.device("cpu") if host else unit.device
         init = unit.initial_master if unit.initial_master is not None else unit.shard
         unit.initial_master = None
         master_dtype = torch.promote_types(unit.dtype, torch.float32)
