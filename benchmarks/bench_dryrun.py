@@ -60,7 +60,8 @@ def main() -> None:
     for dp in (4, 64, 1024):
         world = dp * 16
         over = [*LAYOUT_70B, f"parallel.dp={dp}", f"cluster.nodes={world // 8}",
-                f"train.global_batch_size={2 * dp}", f"dryrun.ranks=[{world - 1}]"]
+                f"train.global_batch_size={2 * dp}", f"train.eval_samples={dp}",
+                f"dryrun.ranks=[{world - 1}]"]
         seconds, gib, report = dryrun(over, args.out / f"scale{world}")
         s = report["ranks"][0]["seconds"]
         print(f"| {world} | {dp} | {world - 1} | {seconds:.1f} | {s['mesh_s']:.2f} | "
