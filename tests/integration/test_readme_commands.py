@@ -76,7 +76,10 @@ def test_the_readme_marks_what_cannot_run_here():
     downloads says so in its comment; the parser finds the README's commands."""
     assert len(COMMANDS) > 30
     for c in COMMANDS:
-        multirun = " -m " in c.text and not c.text.startswith("python -m hpctrain.launch")
+        words = c.text.split()  # a multirun's -m follows the module: python -m hpctrain -m
+        at = next((i for i, w in enumerate(words) if w == "hpctrain" and words[i - 1] == "-m"),
+                  None)
+        multirun = at is not None and "-m" in words[at + 1:]
         slurm = (multirun and re.search(r"cluster=(slurm|my_site)", c.text)) \
             or re.search(r"(^|[\s(])sbatch\s", c.text)
         if slurm:

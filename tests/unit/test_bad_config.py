@@ -261,7 +261,7 @@ BAD = [
      ["model.rope_scaling.factor=0.5 must be ≥ 1"]),
     (["model.rope_scaling.type=llama3", "model.rope_scaling.high_freq_factor=1"],
      ["high_freq_factor=1 must exceed model.rope_scaling.low_freq_factor=1", "1.0 and 4.0"]),
-    (["model.dim=65536"], ["is predicted to need 778 GiB per rank",
+    (["model.dim=65536"], ["is predicted to need 779 GiB per rank",
                            "this host's memory shared by cluster.procs_per_node=1 ranks",
                            "make the model smaller", "plan.force=true"]),
     (["model.attention=magic"], ["model.attention='magic'", "'sdpa'"]),

@@ -154,7 +154,7 @@ def test_restated_and_drifted_values_are_found(tmp_path):
 
 
 @pytest.mark.parametrize("group", sorted(set(SCHEMAS) - {"plan", "simulate", "export",
-                                                         "generate", "eval"}))
+                                                         "generate", "eval", "dryrun"}))
 def test_composed_group_has_every_key_and_default(group):
     """With no overrides Hydra supplies every field (what `--cfg job` prints) at the
     dataclass default; the model preset adds its shape."""
@@ -167,7 +167,7 @@ def test_composed_group_has_every_key_and_default(group):
     assert differ == {} or (group == "data" and set(differ) <= {"cache_dir"})  # environment
 
 
-@pytest.mark.parametrize("task", ["plan", "simulate", "export", "generate", "eval"])
+@pytest.mark.parametrize("task", ["plan", "simulate", "export", "generate", "eval", "dryrun"])
 def test_task_groups_are_typed(task):
     composed = compose([f"task={task}"])[task]
     assert OmegaConf.to_container(composed) == defaults_of(SCHEMAS[task])
