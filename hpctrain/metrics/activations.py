@@ -37,8 +37,8 @@ class ActivationMeter:
     def __init__(self, params: Iterable[torch.Tensor] = ()):
         # Held, not only keyed: a storage freed later (ZeRO-3 re-points its parameters) could
         # hand its address, and so its key, to a new tensor that must be counted.
-        self._held = [p.untyped_storage() for p in params if p.untyped_storage().nbytes()]
-        self.skip = {s._cdata for s in self._held}
+        self._held = [s for s in (p.untyped_storage() for p in params) if s.nbytes()]
+        self.skip = {storage_key(s) for s in self._held}
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.live = 0
@@ -56,7 +56,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage_key(t)
+        key = storage_key(storage)
         if key in self.skip or storage.nbytes() == 0:
             return t
         if self.refs.get(key, 0) == 0:

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 import torch
 
 
-def storage_key(t: torch.Tensor) -> int:
+def storage_key(storage: torch.UntypedStorage) -> int:
     """One storage's identity, shared by its views: the address of torch's StorageImpl (a
     data pointer is not one: every meta tensor's is 0, and the dry run's tensors are meta).
     Like an address it is reused once the storage is freed: compare only live storages."""
-    return t.untyped_storage()._cdata
+    return storage._cdata
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
@@ -26,7 +26,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
         if t is None:
             continue
         storage = t.untyped_storage()
-        key = storage_key(t)
+        key = storage_key(storage)
         if key in seen or storage.nbytes() == 0:
             continue
         seen.add(key)
