@@ -19,7 +19,7 @@ from hpctrain.config import Config
 from hpctrain.config_build import Problem, format_problems
 from hpctrain.distributed.device import cuda_available, resolve_device_type
 from hpctrain.ops.attention import backend_problem
-from hpctrain.plan.dryrun_config import chosen_ranks, refuse_unbuildable
+from hpctrain.plan.dryrun_config import chosen_ranks
 from hpctrain.plan.task import cluster_spec, plan_cluster, plan_settings
 from hpctrain.train.eval_set import eval_split_problem
 from hpctrain.train.optim import wsd_decay_steps
@@ -264,7 +264,7 @@ def check_plan(c: Config) -> list[str]:
 
 def check_dryrun(c: Config) -> list[str]:
     """task=dryrun: the dryrun.* settings and its ranks inside the job's world."""
-    return _errors_of(c, chosen_ranks, refuse_unbuildable)
+    return _errors_of(c, chosen_ranks)
 
 
 def check_cluster_spec(c: Config) -> list[str]:

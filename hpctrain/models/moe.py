@@ -94,14 +94,11 @@ def route(logits_TE: torch.Tensor, moe: MoEConfig, *, group) -> Routing:
     scores_TE = logits_TE.softmax(-1) if moe.router == "softmax" else logits_TE.sigmoid()
     top_TK, expert_TK = scores_TE.topk(moe.top_k, dim=-1)
     gate_TK = top_TK / top_TK.sum(-1, keepdim=True) if moe.top_k > 1 else top_TK
-    routed_E = torch.bincount(expert_TK.flatten(), minlength=E)
     probs_TE = scores_TE if moe.router == "softmax" else scores_TE / scores_TE.sum(-1, True)
-    if group is None:
-        frac_E = routed_E.to(probs_TE.dtype) / (T * moe.top_k)
-        aux = moe.aux_loss_coef * E * (frac_E * probs_TE.mean(0)).sum()
-        z = moe.z_loss_coef * logits_TE.logsumexp(-1).square().mean()
-    else:
-        aux, z = _group_losses(logits_TE, probs_TE, routed_E, moe, group=group)
+    if logits_TE.is_meta:  # a dry run: meta tensors make no choice (`bound_routing`)
+        return bound_routing(logits_TE, probs_TE, gate_TK, moe, group=group)
+    routed_E = torch.bincount(expert_TK.flatten(), minlength=E)
+    aux, z = _losses(logits_TE, probs_TE, routed_E, moe, group=group)
     # Sort assignments by expert, then score descending, then token: the capacity keeps the
     # first C of each expert, and the kept order is the expert-major order the experts need.
     expert_A, score_A = expert_TK.flatten(), top_TK.detach().flatten()
@@ -115,9 +112,38 @@ def route(logits_TE: torch.Tensor, moe: MoEConfig, *, group) -> Routing:
     return Routing(token_A[keep], gate_TK.flatten()[keep], counts_E, routed_E, aux, z)
 
 
+def bound_routing(logits_TE, probs_TE, gate_TK, moe: MoEConfig, *, group) -> Routing:
+    """The routing of a dry run (hpctrain.plan.dryrun_rank: meta logits, no choice made), at
+    the bound the planner counts (hpctrain.plan.experts.routed_copies): dropless, the T·k
+    assignments spread evenly over the E experts; with a capacity, every expert full (C
+    each). The counts are host tensors (their values size the experts' rows and the
+    all-to-all's splits); the kept indices are meta, so every tensor the real routing saves
+    for backward exists with its real shape."""
+    T, E = logits_TE.shape
+    base, extra = divmod(T * moe.top_k, E)
+    routed_E = torch.tensor([base + (e < extra) for e in range(E)])
+    counts_E = routed_E if moe.capacity_factor <= 0 else torch.full((E,), capacity(moe, T))
+    aux, z = _losses(logits_TE, probs_TE, routed_E, moe, group=group)
+    token_A = torch.arange(T, device=logits_TE.device).repeat_interleave(moe.top_k)
+    keep = torch.empty(int(counts_E.sum()), dtype=torch.long, device=logits_TE.device)
+    return Routing(token_A[keep], gate_TK.flatten()[keep], counts_E, routed_E, aux, z)
+
+
+def _losses(logits_TE, probs_TE, routed_E, moe: MoEConfig, *, group):
+    """aux and z (module docstring), of this rank's tokens or of the micro-batch `group`
+    holds between its ranks."""
+    T, E = logits_TE.shape
+    if group is None:
+        frac_E = routed_E.to(probs_TE.device, probs_TE.dtype) / (T * moe.top_k)
+        aux = moe.aux_loss_coef * E * (frac_E * probs_TE.mean(0)).sum()
+        return aux, moe.z_loss_coef * logits_TE.logsumexp(-1).square().mean()
+    return _group_losses(logits_TE, probs_TE, routed_E, moe, group=group)
+
+
 def _group_losses(logits_TE, probs_TE, routed_E, moe: MoEConfig, *, group):
     """aux and z of the micro-batch whose tokens `group` holds between its ranks."""
-    counts = torch.cat([routed_E, routed_E.new_tensor([logits_TE.shape[0]])]).to(probs_TE.dtype)
+    counts = torch.cat([routed_E, routed_E.new_tensor([logits_TE.shape[0]])]).to(
+        probs_TE.device, probs_TE.dtype)
     dist.all_reduce(counts, group=group)  # no gradient: the assignments and the token count
     T = counts[-1]
     sums = dist_nn.all_reduce(torch.cat([probs_TE.sum(0), logits_TE.logsumexp(-1).square()
@@ -207,7 +233,8 @@ class MoE(nn.Module):
             # recomputation under activation checkpointing: its losses and statistics count once
             loss = r.aux + r.z if self.loss_share == 1 else (r.aux + r.z) * self.loss_share
             self.pending_loss = loss if self.pending_loss is None else self.pending_loss + loss
-            self._record(r)
+            if not x_TD.is_meta:  # a dry run's losses have no value to record
+                self._record(r)
         return out_TD.view_as(x_BLD)
 
     def _record(self, r: Routing) -> None:

@@ -22,11 +22,15 @@ A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per tok
 norm input), E experts, k' expert slots per token (top_k dropless, an upper bound of
 capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
   router         fp32 logits and scores (8·E), the top-k scores and ids (12·k), lse and the
-                 gate sum (8); under 16-bit autocast the router's input cast (e·h)
-  per slot       the dispatched row and the expert output (2·e·h), the expert's SwiGLU
-                 (4·e·f_e), its token id, kept-slot id and gate (20); with ep > 1 the received
-                 rows' order (8): the rows a rank receives are its own count under uniform
-                 routing, the stated bound (routing is data-dependent)
+                 gate sum (8); under 16 bits its input's fp32 cast (4·h) in place of the
+                 norm's output (−e·h: nothing else in the block keeps it), and its weight's
+                 fp32 cast (4·E·h a block and microbatch: left out, < 0.01% at real sizes)
+  per slot       the dispatched row, the expert output and its gate-weighted copy that the
+                 combine's index_add keeps (3·e·h), the expert's SwiGLU (4·e·f_e), its token
+                 id, kept-slot id and gate (20); with ep > 1 the received rows' order and its
+                 inverse (16). The slots are counted at the bound the dry run routes
+                 (hpctrain.models.moe.bound_routing): a rank receives its own count, as under
+                 uniform routing (routing is data-dependent)
   shared         4·e·s·f_e
 Outside the layers, on the first stage: the token ids (8 bytes); on the last stage: the final
 norm (as above), the loss's fp32 log-softmax (4·V/t; the logits themselves are not kept) and the
@@ -69,8 +73,8 @@ def moe_bytes_per_token(model: ModelConfig, *, precision: str, ep: int = 1) -> f
     e = 4 if precision == "fp32" else 2
     m, h, f = model.moe, model.dim, model.expert_ffn_dim
     slots = routed_copies(model)
-    router = 8 * m.num_experts + 12 * m.top_k + 8 + (0 if e == 4 else e * h)
-    per_slot = 2 * e * h + 4 * e * f + 20 + (8 if ep > 1 else 0)
+    router = 8 * m.num_experts + 12 * m.top_k + 8 + (0 if e == 4 else (4 - e) * h)
+    per_slot = 3 * e * h + 4 * e * f + 20 + (16 if ep > 1 else 0)
     return router + slots * per_slot + 4 * e * m.shared_experts * f
 
 

@@ -11,8 +11,8 @@ plan.headroom). A term off by more than `dryrun.tolerance` is a planner or a cod
 
 Outputs in the run dir: dryrun.json (per rank: rank, coords, the measured *_bytes,
 `predicted` with the same keys, the seconds its set-up took) and dryrun.md (the tables).
-Mixture-of-experts models are refused: meta tensors make no routing choices, so the routed
-experts' token counts (and the all-to-all splits built from them) do not exist on meta.
+Mixture-of-experts models route at the planner's stated bound (meta tensors make no routing
+choice: `hpctrain.models.moe.bound_routing`), so their routed terms are the bound's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from hpctrain.config import Config
 from hpctrain.plan.auto import memory_limit, planning_cluster, usable_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
-from hpctrain.plan.dryrun_config import chosen_ranks, dryrun_settings, refuse_unbuildable
+from hpctrain.plan.dryrun_config import chosen_ranks, dryrun_settings
 from hpctrain.plan.memory import fp8_buffer_bytes
 from hpctrain.plan.predict import step_shape
 from hpctrain.plan.rank_memory import engine_states, rank_activations, rank_checkpoint_bytes
@@ -61,7 +61,6 @@ def run_dryrun(cfg: Config) -> dict[str, Any]:
     dryrun.md, returns {"text", "path", "fits", "ranks"}."""
     from hpctrain.plan.dryrun_rank import measure_rank
 
-    refuse_unbuildable(cfg)
     settings, dims = dryrun_settings(cfg), cfg.parallel.dims
     usable = usable_bytes(cfg, planning_cluster(cfg))
     limited = memory_limit(cfg, planning_cluster(cfg)) is not None

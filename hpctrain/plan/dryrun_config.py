@@ -49,12 +49,3 @@ def chosen_ranks(cfg: Config) -> list[int]:
                          f"{dims.world_size} ranks (0..{dims.world_size - 1})")
     return sorted(set(wanted))
 
-
-def refuse_unbuildable(cfg: Config) -> None:
-    """ValueError for a model the dry run cannot set up on meta tensors: a mixture of experts
-    (the router's choices make the token counts and all-to-all splits, and meta tensors make
-    no choice)."""
-    if cfg.model.moe.enabled:
-        raise ValueError(f"model.moe.num_experts={cfg.model.moe.num_experts}: task=dryrun "
-                         "cannot set up a mixture-of-experts model (its routing has no meta "
-                         "form); use task=plan for its memory")

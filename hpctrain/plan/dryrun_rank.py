@@ -16,8 +16,10 @@ Measured as the trainer measures (the engine's ledger, `train.ckpt_shards.owned_
   activations            the peak of saved-for-backward bytes over the step's schedule
   checkpoint             this rank's own chunks of the master weights and both moments
 What meta tensors cannot show: routed experts' token counts depend on the router's choices,
-which meta tensors do not make (the capacity bound is counted: `dryrun.py`); autocast does not
-act on meta tensors, so bf16 runs keep their 16-bit parameters' dtype everywhere.
+which meta tensors do not make, so a dry run routes at the planner's bound
+(`hpctrain.models.moe.bound_routing`: dropless, T·k/E slots an expert; with a capacity, every
+expert full), the same on every rank (the all-to-all's splits follow); autocast does not act
+on meta tensors, so bf16 runs keep their 16-bit parameters' dtype everywhere.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ head when kv heads < tp, norms whole) of its pipeline chunks' blocks, the embedd
 rank holding the first chunk and the final norm + head on the one holding the last (with tied
 embeddings on two ranks, the head's rank keeps a copy: hpctrain.parallel.pipeline.tied).
 The busiest pipeline rank is reported.
+
+A mixture-of-experts block holds its router, its routed experts and its shared experts whole on
+every tp rank, in that order after the attention (hpctrain.parallel.tensor.plan). With ep = 1
+the routed experts are dense parameters like any other; with ep > 1 a rank holds E/ep of them
+in their own units (`expert_groups`), sharded over the (dp/ep)·cp ranks holding the same
+experts (hpctrain.parallel.data.engine).
 """
 
 from __future__ import annotations
@@ -30,28 +36,39 @@ from hpctrain.parallel.data.layout import ShardLayout
 from hpctrain.plan.memory import ModelStates
 
 
-def block_numels(model: ModelConfig, *, tp: int = 1) -> list[int]:
-    """Parameter sizes of one Block on a tp rank, in registration order: attn_norm, wq, wk,
-    wv, wo, mlp_norm, w1, w3, w2 (see hpctrain.models.llama; module docstring for tp)."""
+def block_numels(model: ModelConfig, *, tp: int = 1, layer: int = 0, ep: int = 1) -> list[int]:
+    """Parameter sizes of Block `layer` on a tp rank, in registration order: attn_norm, wq,
+    wk, wv, wo, mlp_norm, then w1, w3, w2, or in an MoE block the router, the routed
+    experts' w1, w3, w2 (with ep = 1 only: `expert_groups` holds them otherwise) and the
+    shared experts' (see hpctrain.models.llama and .moe; module docstring for tp)."""
     d, f, hd = model.dim, model.ffn_dim, model.head_dim
     q = model.n_heads * hd
     kv = model.n_kv_heads * hd // tp if model.n_kv_heads % tp == 0 else hd
-    return [d, q * d // tp, kv * d, kv * d, d * q // tp, d, f * d // tp, f * d // tp,
-            d * f // tp]
+    attention = [d, q * d // tp, kv * d, kv * d, d * q // tp, d]
+    if not model.is_moe_layer(layer):
+        return attention + [f * d // tp, f * d // tp, d * f // tp]
+    m, fe = model.moe, model.expert_ffn_dim
+    routed = [m.num_experts * d * fe] * 3 if ep == 1 else []
+    shared = [m.shared_experts * d * fe] * 3 if m.shared_experts else []
+    return attention + [m.num_experts * d] + routed + shared
 
 
-def param_groups(model: ModelConfig, *, tp: int = 1) -> tuple[list[int], list[list[int]],
-                                                               list[int]]:
+def param_groups(model: ModelConfig, *, tp: int = 1, ep: int = 1) -> tuple[
+        list[int], list[list[int]], list[int]]:
     """(embedding, per-block sizes, after-blocks sizes: final norm and an untied head) on a
-    tp rank. Dense models only: routed experts are placed by `hpctrain.plan.experts`."""
-    if model.moe.enabled:
-        raise ValueError(f"model.moe.num_experts={model.moe.num_experts}: the flat engine's "
-                         "expert units are not modelled element by element; use "
-                         "hpctrain.plan.memory.rank_state_bytes for a model with experts")
+    tp rank; the routed experts of an ep > 1 layout are left to `expert_groups`."""
     vocab = model.vocab_size * model.dim // tp
     tail = [model.dim] + ([] if model.tied_embeddings else [vocab])
-    blocks = [block_numels(model, tp=tp) for _ in range(model.n_layers)]
+    blocks = [block_numels(model, tp=tp, layer=i, ep=ep) for i in range(model.n_layers)]
     return [vocab], blocks, tail
+
+
+def expert_groups(model: ModelConfig, *, ep: int) -> list[list[int]]:
+    """Per block, the sizes of the routed experts one rank of an ep > 1 layout holds in the
+    experts' own units (w1, w3, w2 of E/ep experts; [] for a dense block)."""
+    fe, d = model.expert_ffn_dim, model.dim
+    return [[model.moe.num_experts // ep * d * fe] * 3 if ep > 1 and model.is_moe_layer(i)
+             else [] for i in range(model.n_layers)]
 
 
 def rank_chunks(pp_rank: int, *, pp: int, virtual_stages: int, schedule: str) -> list[int]:
@@ -63,17 +80,30 @@ def rank_chunks(pp_rank: int, *, pp: int, virtual_stages: int, schedule: str) ->
 
 
 def rank_param_groups(model: ModelConfig, *, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
-                      schedule: str = "1f1b", pp_rank: int = 0):
+                      schedule: str = "1f1b", pp_rank: int = 0, ep: int = 1):
     """`param_groups` of the parameters pp rank `pp_rank` holds (module docstring)."""
-    embed, blocks, tail = param_groups(model, tp=tp)
+    embed, blocks, tail = param_groups(model, tp=tp, ep=ep)
+    first, last, mine = _rank_blocks(model, blocks, pp=pp, virtual_stages=virtual_stages,
+                                     schedule=schedule, pp_rank=pp_rank)
+    if last and not first and model.tied_embeddings:  # the head's copy of E
+        tail = tail + embed
+    return embed if first else [], mine, tail if last else []
+
+
+def rank_expert_groups(model: ModelConfig, *, ep: int, pp: int = 1, virtual_stages: int = 1,
+                       schedule: str = "1f1b", pp_rank: int = 0) -> list[list[int]]:
+    """`expert_groups` of the blocks pp rank `pp_rank` holds."""
+    return _rank_blocks(model, expert_groups(model, ep=ep), pp=pp,
+                        virtual_stages=virtual_stages, schedule=schedule, pp_rank=pp_rank)[2]
+
+
+def _rank_blocks(model, blocks, *, pp, virtual_stages, schedule, pp_rank):
+    """(holds the first chunk, holds the last chunk, the blocks of its chunks in order)."""
     n = pp * virtual_stages
     per = model.n_layers // n
     chunks = rank_chunks(pp_rank, pp=pp, virtual_stages=virtual_stages, schedule=schedule)
     mine = [b for c in sorted(chunks) for b in blocks[c * per:(c + 1) * per]]
-    first, last = 0 in chunks, n - 1 in chunks
-    if last and not first and model.tied_embeddings:  # the head's copy of E
-        tail = tail + embed
-    return embed if first else [], mine, tail if last else []
+    return 0 in chunks, n - 1 in chunks, mine
 
 
 def unit_numels(model: ModelConfig, *, zero: int, bucket_mb: float, elem_bytes: int,
@@ -83,7 +113,7 @@ def unit_numels(model: ModelConfig, *, zero: int, bucket_mb: float, elem_bytes: 
     embed, blocks, tail = held or param_groups(model)
     if zero == 3:
         ends = [tuple(embed + tail)] if embed or tail else []  # a middle stage has none
-        return ends + [tuple(b) for b in blocks]
+        return ends + [tuple(b) for b in blocks if b]  # an expert unit per MoE block
     named = embed + [n for b in blocks for n in b] + tail
     bucket_bytes, units, size = bucket_mb * 2**20, [[]], 0
     for n in reversed(named):  # the same rule as ddp.size_groups
@@ -98,17 +128,27 @@ def unit_numels(model: ModelConfig, *, zero: int, bucket_mb: float, elem_bytes: 
 def flat_state_bytes(model: ModelConfig, *, dp: int, zero: int, precision: str,
                      bucket_mb: float = 25.0, offload: str = "none", tp: int = 1, pp: int = 1,
                      virtual_stages: int = 1, schedule: str = "1f1b",
-                     pp_rank: int | None = None) -> ModelStates:
+                     pp_rank: int | None = None, ep: int = 1,
+                     expert_dp: int | None = None) -> ModelStates:
     """Bytes the engine's ledger reports between steps on the busiest rank of a layout
-    (module docstring), or on pipeline rank `pp_rank`."""
+    (module docstring), or on pipeline rank `pp_rank`; `expert_dp`: the ranks an ep > 1
+    layout's expert units shard over (default dp / ep)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} must be one of 0, 1, 2, 3")
-    # every pp rank holds as many blocks; the ends add the embedding and the head
-    ranks = [_rank_states(model, dp=dp, zero=zero, precision=precision, bucket_mb=bucket_mb,
-                          offload=offload, held=rank_param_groups(
-                              model, tp=tp, pp=pp, virtual_stages=virtual_stages,
-                              schedule=schedule, pp_rank=r))
-             for r in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1}))]
+    kw = dict(zero=zero, precision=precision, bucket_mb=bucket_mb, offload=offload)
+    where = dict(pp=pp, virtual_stages=virtual_stages, schedule=schedule)
+
+    def states(r: int) -> ModelStates:
+        dense = _rank_states(model, dp=dp, held=rank_param_groups(
+            model, tp=tp, ep=ep, pp_rank=r, **where), **kw)
+        if ep == 1:
+            return dense
+        held = ([], rank_expert_groups(model, ep=ep, pp_rank=r, **where), [])
+        ex = _rank_states(model, dp=expert_dp or dp // ep, held=held, **kw)
+        return ModelStates(dense.params + ex.params, dense.grads + ex.grads,
+                           dense.optimizer + ex.optimizer, host=dense.host + ex.host)
+
+    ranks = [states(r) for r in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1}))]
     return max(ranks, key=lambda s: s.total + s.host)
 
 

@@ -8,8 +8,8 @@ For the models hpctrain trains (`ModelConfig`) it counts what hpctrain's engine 
 hold, term by term:
   states       the flat engine's units on the busiest rank, with their padding
                (`plan.flat_states`: tp slices, pipeline chunks, ZeRO over the shard group,
-               16-bit parameters and gradients with fp32 masters and moments, or fp32 ones);
-               routed experts by `plan.memory.rank_state_bytes` (1/ep per rank)
+               16-bit parameters and gradients with fp32 masters and moments, or fp32 ones;
+               routed experts 1/ep per rank in their own units under ep)
   activations  what the blocks save for backward on the busier of the first and the last
                pipeline stage (`plan.activations`, mixture-of-experts blocks included at the
                stated capacity bound), in flight as the schedule keeps them
@@ -29,15 +29,14 @@ from dataclasses import dataclass
 from hpctrain.models.config import ModelConfig
 from hpctrain.plan.activations import rank_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
-from hpctrain.plan.experts import is_moe
-from hpctrain.plan.flat_states import flat_state_bytes, rank_param_groups
+from hpctrain.plan.experts import rank_expert_params
+from hpctrain.plan.flat_states import flat_state_bytes, rank_expert_groups, rank_param_groups
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.memory import (
     MemoryBreakdown,
     checkpoint_staging_bytes,
     fp8_buffer_bytes,
     memory_breakdown,
-    rank_state_bytes,
     state_bytes_per_param,
 )
 from hpctrain.plan.shapes import rank_params
@@ -84,28 +83,30 @@ def rank_memory(model, layout: Layout, step: StepShape, *,
 def engine_states(model: ModelConfig, layout: Layout, step: StepShape, *,
                   pp_rank: int | None = None):
     """Model-state bytes of the flat engine on the busiest rank (module docstring), or on
-    pipeline rank `pp_rank` (dense models)."""
-    if is_moe(model):
-        return rank_state_bytes(model, layout, precision=step.precision)
+    pipeline rank `pp_rank`."""
     return flat_state_bytes(model, dp=layout.dims.shard_size, zero=layout.zero,
                             precision=step.precision, bucket_mb=step.bucket_mb,
                             offload=layout.offload, tp=layout.tp, pp=layout.pp,
                             virtual_stages=layout.virtual_stages, schedule=layout.schedule,
-                            pp_rank=pp_rank)
+                            pp_rank=pp_rank, ep=layout.ep,
+                            expert_dp=layout.dims.expert_shard_size)
 
 
 def rank_checkpoint_bytes(model: ModelConfig, layout: Layout, *, pp_rank: int) -> float:
-    """Bytes pipeline rank `pp_rank` writes to a checkpoint (dense models): 12 per parameter
-    it owns (fp32 master, both moments), its pipeline chunks' tp slices over the ZeRO shards
-    (all of them at zero 0); a tied embedding's copy on the head's rank is left to the
-    embedding's rank."""
-    embed, blocks, tail = rank_param_groups(
-        model, tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages,
-        schedule=layout.schedule, pp_rank=pp_rank)
+    """Bytes pipeline rank `pp_rank` writes to a checkpoint: 12 per parameter it owns (fp32
+    master, both moments), its pipeline chunks' tp slices over the ZeRO shards (all of them
+    at zero 0), its routed experts (ep > 1) over the ranks holding the same experts; a tied
+    embedding's copy on the head's rank is left to the embedding's rank."""
+    where = dict(pp=layout.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule,
+                 pp_rank=pp_rank)
+    embed, blocks, tail = rank_param_groups(model, tp=layout.tp, ep=layout.ep, **where)
     if model.tied_embeddings and not embed and tail:
         tail = tail[:-1]  # rank_param_groups' copy of E
     owned = sum(embed) + sum(sum(b) for b in blocks) + sum(tail)
-    return 12.0 * owned / (layout.dims.shard_size if layout.zero >= 1 else 1)
+    experts = sum(map(sum, rank_expert_groups(model, ep=layout.ep, **where)))
+    if layout.zero == 0:
+        return 12.0 * (owned + experts)
+    return 12.0 * (owned / layout.dims.shard_size + experts / layout.dims.expert_shard_size)
 
 
 def stage_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
@@ -126,7 +127,8 @@ def rank_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
         chunks=layout.virtual_stages, packed=step.packed,
         head_rank=0 if layout.schedule == "zbv" else layout.pp - 1)
     if layout.zero == 3 and layout.dims.shard_size > 1:  # gathered weights, saved until B
-        gathered = rank_params(model, tp=layout.tp, pp=layout.pp) * state_bytes_per_param(
-            step.precision)[0]
+        held = rank_params(model, tp=layout.tp, pp=layout.pp) + rank_expert_params(
+            model, ep=layout.ep, pp=layout.pp)  # a rank's experts too, even unsharded
+        gathered = held * state_bytes_per_param(step.precision)[0]
         acts = [value + gathered for value in acts]
     return acts

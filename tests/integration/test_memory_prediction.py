@@ -75,6 +75,29 @@ def test_two_rank_peaks_within_15_percent(world2, tmp_path, name):
     assert {k: dry[k] for k in DRY_KEYS} == {k: ledger[v] for k, v in DRY_KEYS.items()}, name
 
 
+MOE = {"dp2_dropless": ["parallel.dp=2"],
+       "ep2_capacity": ["parallel.dp=2", "parallel.ep=2", "model.moe.capacity_factor=1.25"]}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_dry_run_equals_the_ledger_within_the_capacity_bound(world2, tmp_path, name):
+    """Mixture of experts: the dry run routes at the planner's bound (models.moe.bound_routing).
+    Dropless without ep a rank's experts see all T·k slots whatever the routing, so every term
+    equals the real run's. With ep and a capacity every expert is full in the dry run, the
+    most a rank can receive: the states are equal and the real peak lies below the bound."""
+    over = [*SMALL, "model=debug_moe", *MOE[name], "cluster.procs_per_node=2"]
+    world2.run(_train_on_rank, over, str(tmp_path))
+    dry = measure_rank(make_config(over, run_dir=tmp_path), 0)[0].as_dict()
+    ledger = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "mem_params_bytes" in r][-1]
+    real = {k: ledger[v] for k, v in DRY_KEYS.items()}
+    if name == "dp2_dropless":
+        assert {k: dry[k] for k in DRY_KEYS} == real
+        return
+    assert {k: dry[k] for k in DRY_KEYS if k != "activations"} == {
+        k: v for k, v in real.items() if k != "activations"}
+    assert 0.85 * dry["activations"] < real["activations"] <= dry["activations"]  # 0.92
+
+
 def test_states_exact_under_tp_and_zero_and_moe_peak_within_5_percent(world4, tmp_path):
     """The one memory model (plan.rank_memory) counts the flat engine's units on a tp rank
     exactly: tp2 × dp2 ZeRO-1 in bf16 holds 16-bit parameters and gradients with fp32 masters

@@ -45,9 +45,10 @@ def test_expert_states_fall_as_one_over_ep():
 
 def test_moe_blocks_store_the_router_and_routed_slots():
     """plan.rank_memory's MoE block, per token it routes: fp32 router logits and scores
-    (8·E), top-k scores, ids and gate sums (12·k + 8), and per expert slot the dispatched row
-    and the expert output (2·e·h), the expert SwiGLU (4·e·f_e) and three ids/gates (20), in
-    place of the dense SwiGLU (4·e·f); k' = capacity_factor · top_k with a capacity."""
+    (8·E), top-k scores, ids and gate sums (12·k + 8), and per expert slot the dispatched row,
+    the expert output and its gate-weighted copy (3·e·h), the expert SwiGLU (4·e·f_e) and
+    three ids/gates (20), in place of the dense SwiGLU (4·e·f); k' = capacity_factor · top_k
+    with a capacity. (The dry run measures these: tests/integration/test_dryrun.py.)"""
     from hpctrain.plan.rank_memory import StepShape, rank_memory
 
     model = PRESETS["debug"].with_(moe=MoEConfig(num_experts=4, top_k=2))  # 4 MoE blocks
@@ -61,7 +62,7 @@ def test_moe_blocks_store_the_router_and_routed_slots():
 
     t, k, h, f, E, e = 128 * 4, 2, 32, 96, 4, 4
     router = 8 * E + 12 * k + 8
-    slot = 2 * e * h + 4 * e * f + 20 + 8  # + the received rows' order under ep > 1
+    slot = 3 * e * h + 4 * e * f + 20 + 16  # + the received rows' order and its inverse (ep)
     assert extra(model) == pytest.approx(4 * t * (router + k * slot - 4 * e * f), rel=1e-12)
     capped = model.with_(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.5))
     assert extra(capped) == pytest.approx(4 * t * (router + 1.5 * k * slot - 4 * e * f),

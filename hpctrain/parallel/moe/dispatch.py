@@ -9,7 +9,7 @@ receives for its local experts; E experts, El = E/ep local experts, D model dim.
   2. dispatch: all_to_all_single of x_AD with uneven splits (send: Σ counts of each peer's
      experts; recv: Σ recv_PE per peer) → x_RD ordered by (source peer, local expert);
   3. regroup by local expert (a stable sort), run the local experts (`Experts.compute`), put
-     the rows back in (peer, expert) order;
+     the rows back in (peer, expert) order (a gather by the inverse permutation);
   4. combine: the reverse all_to_all_single → y_AD in this rank's original order.
 The router, the gate-weighted sum and the un-permutation stay in `hpctrain.models.moe.MoE`.
 `AllToAll` is an autograd Function whose backward is the reverse all-to-all (splits swapped),
@@ -72,14 +72,21 @@ class ExpertParallel(Experts):
 
     def forward(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         recv_PE = exchange_counts(counts_E, self.group)
+        if x_AD.is_meta:  # a dry run: every rank routes the same bound (models.moe.bound_routing)
+            recv_PE = counts_E.view(self.ep, -1)[group_rank(self.group)].repeat(self.ep, 1)
         send = counts_E.view(self.ep, -1).sum(1).tolist()
         recv = recv_PE.sum(1).tolist()
         x_RD = AllToAll.apply(x_AD, recv, send, self.group)
         local_R = torch.arange(recv_PE.shape[1], device=x_AD.device).repeat(self.ep)
-        local_R = local_R.repeat_interleave(recv_PE.flatten())
+        local_R = local_R.repeat_interleave(recv_PE.flatten().to(x_AD.device),
+                                            output_size=sum(recv))
         order = torch.sort(local_R, stable=True).indices
         y_grouped = self.compute(x_RD[order], recv_PE.sum(0))
-        y_RD = torch.empty_like(y_grouped).index_copy(0, order, y_grouped)
+        # back to (peer, expert) order by a gather through the inverse permutation: its backward
+        # keeps only the indices (index_copy's keeps a copy of every expert output row)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y_RD = y_grouped[inverse]
         self._count(send, recv, x_AD)
         return AllToAll.apply(y_RD, send, recv, self.group)
 
