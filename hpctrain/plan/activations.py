@@ -7,14 +7,18 @@ measured). Per token of a microbatch (T = b·s/cp tokens), e = activation elemen
 fp32; 2 for the matmul outputs under bf16/fp16 autocast, whose norms still compute in fp32),
 h model width, K·d key/value width, N heads, f MLP width, t tp:
 
-  RMSNorm (×2)   input x in fp32 (4h), fp32 normalised y (4h), rstd (4), output (e·h); on T/t tokens
-                 under sequence parallelism, whose all-gathered linear input adds e·h more
+  RMSNorm (×2)   input x in fp32 (4h), fp32 normalised y (4h), rstd (4), output (e·h). Under
+                 sequence parallelism the norm runs on T/t tokens and only the all-gathered
+                 output its column linears read is saved (e·h a token of the whole sequence,
+                 once for q/k/v or w1/w3: the gather returns it contiguous); the MoE block's
+                 norm output stays a shard (its router reads the shard)
   attention      q and the output (e·h/t each), k and v after RoPE (e·K·d/t each), the fp32
                  log-sum-exp (4·N/t); a fused backend keeps no L×L matrix; eager adds the
                  probabilities and scores (2·e·N/t·s per token)
   SwiGLU         w1 and w3 outputs, silu(w1), their product (4·e·f/t)
   RoPE           cos and sin cast to e for q and for k (4·e·d): per token with packed
-                 documents (positions differ by row), per position of a row without
+                 documents (positions differ by row) and under cp (a zigzag shard's positions
+                 are taken per row), per position of a row without
   full recompute only each layer's input (e·h, /t under sp) plus one layer's set while it is
                  recomputed
 A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per token it routes
@@ -40,6 +44,8 @@ is the larger of the first (most microbatches in flight) and the last (the head)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hpctrain.models.config import ModelConfig
 from hpctrain.plan.experts import routed_copies
 
@@ -50,6 +56,14 @@ def _norm(h: float, e: int) -> float:
     return 8 * h + e * h + 4
 
 
+def _entry_norm(h: float, e: int, *, t: int, sp: bool) -> float:
+    """A norm whose output enters tensor-parallel column linears, per token of the micro-batch:
+    `_norm`, or under sp its fp32 tensors on T/t tokens and the gathered output (module doc)."""
+    if sp and t > 1:
+        return (_norm(h, e) - e * h) / t + e * h
+    return _norm(h, e)
+
+
 def layer_bytes_per_token(model: ModelConfig, *, seq_len: int, tp: int, sp: bool,
                           precision: str, moe_block: bool = False, ep: int = 1) -> float:
     """Saved bytes of one block per token of a microbatch, no recomputation (module doc);
@@ -57,8 +71,8 @@ def layer_bytes_per_token(model: ModelConfig, *, seq_len: int, tp: int, sp: bool
     e = 4 if precision == "fp32" else 2
     h, n, f, t = model.dim, model.n_heads, model.ffn_dim, tp
     kv = model.n_kv_heads * model.head_dim
-    gathered = e * h if sp and t > 1 else 0  # a norm's all-gathered output under sp
-    norms = 2 * _norm(h, e) / (t if sp else 1) + gathered * (1 if moe_block else 2)
+    mlp_norm = _norm(h, e) / (t if sp else 1) if moe_block else _entry_norm(h, e, t=t, sp=sp)
+    norms = _entry_norm(h, e, t=t, sp=sp) + mlp_norm
     attn = e * (2 * h + 2 * kv) / t + 4 * n / t
     if getattr(model, "attention", "sdpa") == "eager":
         attn += 2 * e * n / t * seq_len
@@ -98,34 +112,49 @@ def stage_activation_bytes(model: ModelConfig, **kw) -> dict[str, float]:
 
 def rank_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size: int,
                           tp: int, sp: bool, pp: int, layers_per_chunk: float,
-                          in_flight: tuple[int, ...], recompute: str,
-                          precision: str, ep: int = 1, chunks: int = 1,
-                          packed: bool = True, head_rank: int | None = None) -> list[float]:
-    """Peak saved bytes on each pipeline rank, first to last. in_flight: (microbatch, chunk)
-    sets alive at the peak of each pipeline rank (the simulator's,
-    `plan.bubble.in_flight_by_rank`), of `chunks` model chunks per rank (virtual stages);
-    `head_rank`: the pipeline rank holding the last chunk (default the last; zbv's V puts it
-    on the first)."""
+                          recompute: str, precision: str, ep: int = 1, chunks: int = 1,
+                          packed: bool = True, in_flight: tuple[int, ...] | None = None,
+                          head_rank: int | None = None,
+                          stage_peaks: Callable[[Callable[[int], float]], tuple[float, ...]]
+                          | None = None) -> list[float]:
+    """Peak saved bytes on each pipeline rank, first to last, of `chunks` model chunks per
+    rank (virtual stages). `stage_peaks`: the schedule's peaks given each stage's set bytes
+    (`plan.bubble.weighted_peaks`), exact. Or `in_flight`: (microbatch, chunk) sets alive at
+    the peak of each pipeline rank, each a set of the mean stage, the head's rank
+    (`head_rank`, default the last) holding ceil(in_flight / chunks) heads."""
     e = 4 if precision == "fp32" else 2
     tokens = micro_batch_size * seq_len
     mean, largest = mean_layer_bytes_per_token(model, seq_len=seq_len, tp=tp, sp=sp,
                                                precision=precision, ep=ep)
     rope = 4 * e * model.head_dim * (tokens if packed else seq_len)
     per_layer, recomputed = tokens * mean + rope, tokens * largest + rope
-    stored_input = tokens * e * model.dim / (tp if sp else 1)
+    if recompute == "full":  # layer inputs, plus the layer being recomputed
+        one_set, transient = layers_per_chunk * tokens * e * model.dim / (tp if sp else 1), \
+            recomputed
+    else:
+        one_set, transient = layers_per_chunk * per_layer, 0.0
+    ids = tokens * 8  # the token ids, on the embedding's stage
+    # the head's stage keeps each microbatch's log-softmax until its backward, like its layers
+    head = tokens * (_entry_norm(model.dim, e, t=tp, sp=sp) + 4 * model.vocab_size / tp + 8)
+    if stage_peaks is not None:
+        last = pp * chunks - 1
+        kw = dict(seq_len=seq_len, tp=tp, sp=sp, precision=precision, ep=ep)
+        block = {moe: tokens * layer_bytes_per_token(model, moe_block=moe, **kw) + rope
+                 for moe in {model.is_moe_layer(i) for i in range(model.n_layers)}}
 
-    def stored(sets: int) -> float:
-        if recompute == "full":  # layer inputs, plus the layer being recomputed
-            return sets * layers_per_chunk * stored_input + recomputed
-        return sets * layers_per_chunk * per_layer
+        def stage_bytes(stage: int) -> float:  # its own blocks, dense or mixture of experts
+            lo, hi = round(stage * layers_per_chunk), round((stage + 1) * layers_per_chunk)
+            sets = one_set if recompute == "full" else sum(
+                block[model.is_moe_layer(i)] for i in range(lo, hi))
+            return sets + (ids if stage == 0 else 0.0) + (head if stage == last else 0.0)
 
-    ranks = [stored(sets) for sets in in_flight]
-    ranks[0] += in_flight[0] * tokens * 8  # the token ids, on the embedding's rank
-    head = tokens * (_norm(model.dim, e) + 4 * model.vocab_size / tp + 8)
+        return [peak + transient for peak in stage_peaks(stage_bytes)]
+    if in_flight is None:
+        raise ValueError("rank_activation_bytes needs stage_peaks or in_flight")
+    ranks = [sets * one_set + transient for sets in in_flight]
+    ranks[0] += in_flight[0] * ids
     if pp == 1:
         return [ranks[0] + head]
-    # the head's rank keeps each microbatch's log-softmax until its backward, like its layers;
-    # only the sets of its last model chunk hold them
     last = pp - 1 if head_rank is None else head_rank
     ranks[last] += -(-in_flight[last] // chunks) * head
     return ranks

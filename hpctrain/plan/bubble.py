@@ -18,8 +18,10 @@ digits) because the search asks for the same pipelines many times.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
+from hpctrain.parallel.pipeline.actions import ActionKind
 from hpctrain.parallel.pipeline.schedules import SCHEDULES as BUILDERS
 from hpctrain.parallel.pipeline.schedules import interleaved_1f1b
 from hpctrain.parallel.pipeline.simulate import simulate
@@ -33,13 +35,15 @@ def _check(schedule: str, pp: int, m: int, v: int) -> None:
         raise ValueError(f"pp={pp}, m={m}, v={v} must all be >= 1")
 
 
+def _built(schedule: str, pp: int, m: int, v: int):
+    return interleaved_1f1b(pp, m, v) if schedule == "interleaved_1f1b" else BUILDERS[schedule](
+        pp, m)
+
+
 @lru_cache(maxsize=8192)
 def _simulated(schedule: str, pp: int, m: int, v: int, costs: tuple[float, ...]):
     """(bubble rate, peak activation sets per rank) of the built schedule."""
-    if schedule == "interleaved_1f1b":
-        built = interleaved_1f1b(pp, m, v)
-    else:
-        built = BUILDERS[schedule](pp, m)
+    built = _built(schedule, pp, m, v)
     t_f, t_b, t_w, t_comm = costs
     sim = simulate(built, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm)
     return sim.bubble_rate, tuple(sim.peak_activations)
@@ -87,3 +91,31 @@ def in_flight_by_rank(schedule: str, *, pp: int, m: int, v: int = 1) -> tuple[in
     if pp == 1:
         return (1,)
     return _simulated(schedule, pp, m, v, (1.0, 1.0, 1.0, 0.0))[1]
+
+
+@lru_cache(maxsize=1024)
+def _live_events(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, its forward (+1) and input-gradient (−1) actions in order, with
+    their stage: a (microbatch, stage) set lives from its F to its B (or BW)."""
+    F, B, BW = ActionKind.F, ActionKind.B, ActionKind.BW
+    return tuple(tuple((1 if a.kind is F else -1, a.stage) for a in acts if a.kind in (F, B, BW))
+                 for acts in _built(schedule, pp, m, v).actions)
+
+
+def weighted_peaks(schedule: str, stage_bytes: Callable[[int], float], *, pp: int, m: int,
+                   v: int = 1) -> tuple[float, ...]:
+    """Per pipeline rank, the peak over its actions in order of Σ stage_bytes(s) of the
+    (microbatch, stage s) sets alive: `in_flight_by_rank` with each set weighed, so what only
+    one stage keeps (the head's log-softmax on the last, the token ids on the first) counts
+    exactly while that stage's own sets are alive. pp = 1: one set of stage 0."""
+    _check(schedule, pp, m, v)
+    if pp == 1:
+        return (stage_bytes(0),)
+    peaks = []
+    for events in _live_events(schedule, pp, m, v):
+        live = peak = 0.0
+        for sign, stage in events:
+            live += sign * stage_bytes(stage)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)

@@ -46,7 +46,7 @@ def predicted_rank(cfg: Config, rank: int) -> dict[str, float]:
     in_flight = in_flight_by_rank(layout.schedule, pp=layout.pp, m=cfg.grad_accum,
                                   v=layout.virtual_stages)
     states = engine_states(cfg.model, layout, step, pp_rank=pp_rank)
-    acts = rank_activations(cfg.model, layout, step, in_flight=in_flight)[pp_rank]
+    acts = rank_activations(cfg.model, layout, step)[pp_rank]
     if step.fp8:
         acts += fp8_buffer_bytes(cfg.model, layout, in_flight=in_flight[pp_rank],
                                  recompute=step.recompute)
@@ -67,7 +67,7 @@ def run_dryrun(cfg: Config) -> dict[str, Any]:
     rows = []
     for rank in chosen_ranks(cfg):
         t0 = time.perf_counter()
-        measured, seconds = measure_rank(cfg, rank)
+        measured, seconds, comm = measure_rank(cfg, rank)
         total = measured.device_total
         rows.append({"rank": rank, "coords": dims.coords(rank),
                      **{f"{k}_bytes": v for k, v in measured.as_dict().items()},

@@ -33,6 +33,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.fake import BACKEND, fake_world
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.metrics.activations import ActivationMeter
+from hpctrain.plan.dryrun_comm import CommTally, GroupTally
 from hpctrain.parallel.context.step import shard_batches
 from hpctrain.train.ckpt_shards import owned_bytes
 from hpctrain.train.setup import build_parallel_state
@@ -70,8 +71,10 @@ def meta_micro_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.empty(shape, dtype=torch.long, device=META)) for _ in range(cfg.grad_accum)]
 
 
-def measure_rank(cfg: Config, rank: int) -> tuple[RankBytes, dict[str, float]]:
-    """`rank`'s bytes (module docstring) and the seconds its set-up and step took."""
+def measure_rank(cfg: Config, rank: int) -> tuple[RankBytes, dict[str, float],
+                                                 dict[str, GroupTally]]:
+    """`rank`'s bytes (module docstring), the seconds its set-up and step took, and the
+    collectives its step issued per process group (`plan.dryrun_comm`)."""
     dims = cfg.parallel.dims
     with fake_world(rank, dims.world_size):
         t0 = time.perf_counter()
@@ -80,7 +83,8 @@ def measure_rank(cfg: Config, rank: int) -> tuple[RankBytes, dict[str, float]]:
         with torch.device(META):
             state, pipeline = build_parallel_state(cfg, mesh)
         t2 = time.perf_counter()
-        acts = _step_activations(cfg, state, pipeline, mesh)
+        with CommTally(mesh) as tally:
+            acts = _step_activations(cfg, state, pipeline, mesh)
         engine = state.engine
         engine.optimizer.zero_grad()
         if engine.zero3 is not None:
@@ -92,11 +96,13 @@ def measure_rank(cfg: Config, rank: int) -> tuple[RankBytes, dict[str, float]]:
             activations=acts, checkpoint=owned_bytes(state),
             host=ledger["mem_optim_host_bytes"])
         t3 = time.perf_counter()
-    return measured, {"mesh_s": t1 - t0, "setup_s": t2 - t1, "step_s": t3 - t2}
+    return measured, {"mesh_s": t1 - t0, "setup_s": t2 - t1, "step_s": t3 - t2}, tally.groups
 
 
 def _step_activations(cfg: Config, state, pipeline, mesh) -> int:
-    """Peak saved-for-backward bytes of one step on meta tokens; the reduction follows."""
+    """Peak saved-for-backward bytes of one step on meta tokens; the reduction and the
+    optimizer step's parameter all-gathers follow (its update and its scalar agreements, the
+    gradient norm and the overflow check, need values: they do not run on meta)."""
     engine, n = state.engine, cfg.grad_accum
     micro = list(shard_batches(meta_micro_batches(cfg), group=mesh.group("cp")))
     meter = ActivationMeter(state.model.parameters())
@@ -109,4 +115,7 @@ def _step_activations(cfg: Config, state, pipeline, mesh) -> int:
             with engine.reducer.no_sync():
                 pipeline.runtime.step(micro, start=time.perf_counter(), divisors=[1.0] * n)
     engine.reduce()
+    for unit in engine.units:
+        if unit.zero < 3:
+            unit.all_gather_params(unit.group)
     return meter.peak_bytes

@@ -28,7 +28,6 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed.device import device_name
-from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.memory import ModelStates
@@ -71,14 +70,8 @@ def predicted_states(cfg: Config) -> ModelStates:
 def predicted_activations(cfg: Config) -> dict[str, float]:
     """Saved-for-backward bytes at the peak of a step on the first and the last pipeline stage
     (`plan.rank_memory`; the logging rank is a last stage)."""
-    return stage_activations(cfg.model, layout_of(cfg), step_shape(cfg),
-                             in_flight=_in_flight(cfg, layout_of(cfg)))
-
-
-def _in_flight(cfg: Config, layout) -> tuple[int, ...]:
     simulated_in_flight(cfg)  # the runtime's checks of the schedule, same messages
-    return in_flight_by_rank(layout.schedule, pp=layout.pp, m=cfg.grad_accum,
-                             v=layout.virtual_stages)
+    return stage_activations(cfg.model, layout_of(cfg), step_shape(cfg))
 
 
 def predicted_peak(cfg: Config) -> dict[str, float]:
@@ -86,7 +79,8 @@ def predicted_peak(cfg: Config) -> dict[str, float]:
     model states, activations (the larger stage), buffers and their total; and the logging
     rank's states + activations for the run's comparison with its ledger."""
     layout = layout_of(cfg)
-    mem = rank_memory(cfg.model, layout, step_shape(cfg), in_flight=_in_flight(cfg, layout))
+    simulated_in_flight(cfg)  # the runtime's checks of the schedule, same messages
+    mem = rank_memory(cfg.model, layout, step_shape(cfg))
     states, acts = mem.params + mem.grads + mem.optimizer, predicted_activations(cfg)
     return {"states": states, "activations": mem.activations, "buffers": mem.buffers,
             "total": mem.total, "logging_rank_activations": acts["last"],

@@ -25,10 +25,11 @@ the published formulas of `plan.memory` stand in, as those papers count them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.plan.activations import rank_activation_bytes
-from hpctrain.plan.bubble import in_flight_by_rank
+from hpctrain.plan.bubble import in_flight_by_rank, weighted_peaks
 from hpctrain.plan.experts import rank_expert_params
 from hpctrain.plan.flat_states import flat_state_bytes, rank_expert_groups, rank_param_groups
 from hpctrain.plan.layout import Layout
@@ -61,18 +62,18 @@ class StepShape:
 def rank_memory(model, layout: Layout, step: StepShape, *,
                 in_flight: tuple[int, ...] | None = None) -> MemoryBreakdown:
     """Bytes on the busiest rank of `layout` (module docstring). `in_flight`: activation sets
-    alive at the peak on each pipeline rank, first to last; None takes the schedule's."""
-    if in_flight is None:
-        in_flight = in_flight_by_rank(layout.schedule, pp=layout.pp, m=step.microbatches,
-                                      v=layout.virtual_stages)
+    alive at the peak on each pipeline rank, first to last; None takes the schedule's, each
+    set weighed by what its stage keeps (`rank_activations`)."""
+    sets = in_flight or in_flight_by_rank(layout.schedule, pp=layout.pp, m=step.microbatches,
+                                          v=layout.virtual_stages)
     if not isinstance(model, ModelConfig):
         return memory_breakdown(
             model, layout, seq_len=step.seq_len, micro_batch_size=step.micro_batch_size,
-            in_flight=max(in_flight), recompute=step.recompute, precision=step.precision,
+            in_flight=max(sets), recompute=step.recompute, precision=step.precision,
             fp8=step.fp8, checkpoint_async=step.checkpoint_async)
     states = engine_states(model, layout, step)
     acts = max(rank_activations(model, layout, step, in_flight=in_flight))
-    buffers = fp8_buffer_bytes(model, layout, in_flight=max(in_flight),
+    buffers = fp8_buffer_bytes(model, layout, in_flight=max(sets),
                                recompute=step.recompute) if step.fp8 else 0.0
     return MemoryBreakdown(
         params=states.params, grads=states.grads, optimizer=states.optimizer,
@@ -110,22 +111,27 @@ def rank_checkpoint_bytes(model: ModelConfig, layout: Layout, *, pp_rank: int) -
 
 
 def stage_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
-                      in_flight: tuple[int, ...]) -> dict[str, float]:
+                      in_flight: tuple[int, ...] | None = None) -> dict[str, float]:
     """Saved-for-backward bytes at the peak on the first and the last pipeline stage."""
     ranks = rank_activations(model, layout, step, in_flight=in_flight)
     return {"first": ranks[0], "last": ranks[-1]}
 
 
 def rank_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
-                     in_flight: tuple[int, ...]) -> list[float]:
-    """Saved-for-backward bytes at the peak on each pipeline rank, first to last."""
+                     in_flight: tuple[int, ...] | None = None) -> list[float]:
+    """Saved-for-backward bytes at the peak on each pipeline rank, first to last: by default
+    the peak over each rank's schedule of what its live (microbatch, stage) sets keep
+    (`plan.bubble.weighted_peaks`: the head's and the embedding's stages weigh more); with
+    `in_flight` (sets alive at each rank's peak), that many sets of the mean stage."""
+    peaks = partial(weighted_peaks, layout.schedule, pp=layout.pp, m=step.microbatches,
+                    v=layout.virtual_stages) if in_flight is None else None
     acts = rank_activation_bytes(
         model, seq_len=step.seq_len // layout.cp, micro_batch_size=step.micro_batch_size,
         tp=layout.tp, sp=layout.sp, pp=layout.pp,
         layers_per_chunk=model.n_layers / (layout.pp * layout.virtual_stages),
         in_flight=in_flight, recompute=step.recompute, precision=step.precision, ep=layout.ep,
-        chunks=layout.virtual_stages, packed=step.packed,
-        head_rank=0 if layout.schedule == "zbv" else layout.pp - 1)
+        chunks=layout.virtual_stages, packed=step.packed or layout.cp > 1,
+        head_rank=0 if layout.schedule == "zbv" else layout.pp - 1, stage_peaks=peaks)
     if layout.zero == 3 and layout.dims.shard_size > 1:  # gathered weights, saved until B
         held = rank_params(model, tp=layout.tp, pp=layout.pp) + rank_expert_params(
             model, ep=layout.ep, pp=layout.pp)  # a rank's experts too, even unsharded

@@ -9,7 +9,12 @@ llama3_8b pipeline layouts no longer fit, same winners; GPT shapes unchanged), a
 29 (the dry run measured hpctrain's blocks on meta tensors: RMSNorm keeps an fp32 copy of its
 16-bit input, the last stage keeps the fp32 log-softmax but not the logits, RoPE casts its
 tables per layer: activations 0.67-1.12×, no fit verdict changed, same winners, the order of
-near-equal candidates changed).
+near-equal candidates changed), and again for issue 29 (under sp a norm saves only its
+gathered output, once a block since the gather returns it contiguous; under cp RoPE's tables
+are per token; a pipeline rank's peak weighs each live set by what its stage keeps, so the
+head's log-softmax counts while the last stage's sets live, not ceil(in flight / v) times:
+activations 0.23-1.00× (interleaved with full recompute, whose sets are small, most),
+nothing else changed, same verdicts and winners).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 

@@ -132,9 +132,11 @@ def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
 
 def output(acc: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_BNSH in the inputs' dtype, lse_BNS) of the two query chunks' merged blocks (merged
-    in blocks.compute_dtype: fp32 under bf16, as a fused kernel accumulates)."""
-    o_BNSH = torch.cat([acc[0][0], acc[1][0]], dim=2).to(dtype)
-    return o_BNSH, torch.cat([acc[0][1], acc[1][1]], dim=2)
+    in blocks.compute_dtype: fp32 under bf16, as a fused kernel accumulates). Laid out
+    B×S×N×H in memory, as sdpa's output is, so the block's o.transpose(1, 2).reshape for the
+    output projection is a view (a B×N×S×H layout made it copy, and save, the output twice)."""
+    o_BSNH = torch.cat([acc[0][0].transpose(1, 2), acc[1][0].transpose(1, 2)], dim=1).to(dtype)
+    return o_BSNH.transpose(1, 2), torch.cat([acc[0][1], acc[1][1]], dim=2)
 
 
 def backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS):

@@ -98,7 +98,9 @@ def _all_gather(x: torch.Tensor, dim: int, group, counter) -> torch.Tensor:
     dist.all_gather_single(out, moved, group=group)
     if counter is not None:
         counter.add("all_gather", (p - 1) * _nbytes(out) // p)
-    return out.movedim(0, dim)
+    # contiguous once here: every linear reading a strided view copies it for its matmul
+    # and saves its own copy (sp's q/k/v and w1/w3: 5 copies of the gathered input a block)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, counter) -> torch.Tensor:
