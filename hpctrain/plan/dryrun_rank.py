@@ -33,8 +33,8 @@ from hpctrain.config import Config
 from hpctrain.distributed.fake import BACKEND, fake_world
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.metrics.activations import ActivationMeter
-from hpctrain.plan.dryrun_comm import CommTally, GroupTally
 from hpctrain.parallel.context.step import shard_batches
+from hpctrain.plan.dryrun_comm import CommTally, GroupTally
 from hpctrain.train.ckpt_shards import owned_bytes
 from hpctrain.train.setup import build_parallel_state
 from hpctrain.train.tensor_parallel import tp_step_hooks
