@@ -15,13 +15,16 @@ computes (torch ops and c10d calls release the GIL); the caller only enqueues.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import queue
 import threading
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 MESSAGE_KINDS = ("F", "B")  # activations forward, gradients backward
 
@@ -57,7 +60,8 @@ class Courier:
             job.run()
 
     def submit(self, fn: Callable[[], object]) -> Job:
-        job = Job(fn)
+        modes = _get_current_dispatch_mode_stack()  # thread-local: carried to the courier
+        job = Job(fn if not modes else functools.partial(_under_modes, modes, fn))
         self._jobs.put(job)
         return job
 
@@ -76,6 +80,15 @@ class Courier:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(self.timeout.total_seconds())
+
+
+def _under_modes(modes, fn: Callable[[], object]) -> object:
+    """`fn` under the submitting thread's dispatch modes (e.g. the dry run's collective tally,
+    hpctrain.plan.dryrun_comm), which torch keeps per thread."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        return fn()
 
 
 class Job:

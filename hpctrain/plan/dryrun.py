@@ -26,6 +26,8 @@ from typing import Any
 from hpctrain.config import Config
 from hpctrain.plan.auto import memory_limit, planning_cluster, usable_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
+from hpctrain.plan.comm_volume import Volume, step_volumes
+from hpctrain.plan.dryrun_comm import comm_rows
 from hpctrain.plan.dryrun_config import chosen_ranks, dryrun_settings
 from hpctrain.plan.memory import fp8_buffer_bytes
 from hpctrain.plan.predict import step_shape
@@ -42,7 +44,9 @@ def predicted_rank(cfg: Config, rank: int) -> dict[str, float]:
     sees them; the planner has no module buffers (hpctrain's modules register none)."""
     layout = layout_of(cfg)
     step = dataclasses.replace(step_shape(cfg), packed=False)  # the dry run's whole rows
-    pp_rank = cfg.parallel.dims.coords(rank)["pp"]
+    dims = cfg.parallel.dims
+    pp_rank = dims.coords(rank)["pp"]
+    first_replica = dims.coords(rank)["dp"] < dims.dp_shard  # HSDP: the first replica writes
     in_flight = in_flight_by_rank(layout.schedule, pp=layout.pp, m=cfg.grad_accum,
                                   v=layout.virtual_stages)
     states = engine_states(cfg.model, layout, step, pp_rank=pp_rank)
@@ -52,8 +56,17 @@ def predicted_rank(cfg: Config, rank: int) -> dict[str, float]:
                                  recompute=step.recompute)
     return {"params": states.params, "grads": states.grads, "optim": states.optimizer,
             "buffers": 0.0, "activations": acts,
-            "checkpoint": rank_checkpoint_bytes(cfg.model, layout, pp_rank=pp_rank),
+            "checkpoint": rank_checkpoint_bytes(cfg.model, layout, pp_rank=pp_rank)
+            if first_replica else 0.0,
             "host": states.host}
+
+
+def predicted_comm(cfg: Config, rank: int) -> dict[str, Volume]:
+    """The planner's collectives of global `rank`'s step, per mesh group
+    (`plan.comm_volume`)."""
+    step = dataclasses.replace(step_shape(cfg), packed=False)
+    return step_volumes(cfg.model, layout_of(cfg), step,
+                        pp_rank=cfg.parallel.dims.coords(rank)["pp"])
 
 
 def run_dryrun(cfg: Config) -> dict[str, Any]:
@@ -73,6 +86,7 @@ def run_dryrun(cfg: Config) -> dict[str, Any]:
                      **{f"{k}_bytes": v for k, v in measured.as_dict().items()},
                      "total_bytes": total,
                      "predicted": {f"{k}_bytes": v for k, v in predicted_rank(cfg, rank).items()},
+                     "comm": comm_rows(comm, predicted_comm(cfg, rank)),
                      "fits": (not limited) or total <= usable,
                      "seconds": {**seconds, "total_s": time.perf_counter() - t0}})
     out = Path(cfg.run_dir)
@@ -137,6 +151,12 @@ def dryrun_table(report: dict[str, Any]) -> str:
             lines.append(f"| {term} | {size_text(m)} | {size_text(p)} | {_ratio(m, p, tol)} |")
         verdict = "fits" if row["fits"] else "DOES NOT FIT"
         lines.append(f"| device total | {size_text(row['total_bytes'])} | | {verdict} |")
+        lines += ["", "| group | collectives | predicted | sent | predicted | sent / predicted |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, c in row["comm"].items():
+            lines.append(f"| {name} | {c['ops']} | {c['predicted_ops']:g} | "
+                         f"{size_text(c['bytes'])} | {size_text(c['predicted_bytes'])} | "
+                         f"{_ratio(c['bytes'], c['predicted_bytes'], tol)} |")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ ring algorithms, as the planner's communication model counts them (`plan.comm_vo
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpctrain.distributed.dims import GROUP_NAMES
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.plan.comm_volume import Volume
 
 
 @dataclass
@@ -85,6 +87,7 @@ class CommTally(TorchDispatchMode):
     def __init__(self, mesh: Mesh):
         super().__init__()
         self._names = group_names(mesh)
+        self._lock = threading.Lock()  # the pipeline's courier thread records too
         self.groups: dict[str, GroupTally] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -101,7 +104,25 @@ class CommTally(TorchDispatchMode):
         n = group.size()
         op = func._schema.name.split("::")[-1]
         name = self._names.get(group.group_name, "other")
-        tally = self.groups.setdefault(name, GroupTally(n, defaultdict(int),
-                                                        defaultdict(float)))
-        tally.ops[op] += 1
-        tally.bytes[op] += _sent(op, args, n, group.rank())
+        with self._lock:
+            tally = self.groups.setdefault(name, GroupTally(n, defaultdict(int),
+                                                            defaultdict(float)))
+            tally.ops[op] += 1
+            tally.bytes[op] += _sent(op, args, n, group.rank())
+
+
+def comm_rows(groups: dict[str, GroupTally], predicted: dict[str, Volume]) -> dict[str, dict]:
+    """Per group the step used (and any the planner expects traffic on that saw none): the
+    measured operations and bytes sent (and by op), beside the planner's
+    (`plan.comm_volume.step_volumes`) summed over the mesh names the group holds."""
+    names = set(groups) | {key for key in predicted
+                           if not any(key in name.split("=") for name in groups)}
+    rows = {}
+    for name in sorted(names):
+        tally = groups.get(name)
+        expected = sum((predicted.get(key, Volume()) for key in name.split("=")), Volume())
+        rows[name] = {"ops": tally.total_ops if tally else 0,
+                      "bytes": tally.total_bytes if tally else 0.0,
+                      "by_op": dict(tally.ops) if tally else {},
+                      "predicted_ops": expected.ops, "predicted_bytes": expected.bytes}
+    return rows

@@ -59,7 +59,8 @@ def step_shape(cfg: Config) -> StepShape:
                      microbatches=cfg.grad_accum, recompute=t.activation_checkpointing,
                      precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
                      checkpoint_async=cfg.train.checkpoint_async,
-                     packed=cfg.data.packing != "none")
+                     packed=cfg.data.packing != "none",
+                     grad_comm_dtype=cfg.parallel.grad_comm_dtype)
 
 
 def predicted_states(cfg: Config) -> ModelStates:

@@ -57,6 +57,7 @@ class StepShape:
     bucket_mb: float = 25.0
     checkpoint_async: bool = True
     packed: bool = True  # rows of packed documents (data.packing): RoPE per token
+    grad_comm_dtype: str = "fp32"  # gradients on the wire (parallel.grad_comm_dtype)
 
 
 def rank_memory(model, layout: Layout, step: StepShape, *,
