@@ -1,5 +1,6 @@
 """task=dryrun at scale: seconds and host memory of one rank's dry run at 64, 1,024 and 16,384
-ranks, and the measured-on-meta vs predicted tables of llama3_70b and llama3_405b.
+ranks, and the measured-on-meta vs predicted tables (memory terms, and each process group's
+collectives) of llama3_70b, llama3_405b and mixtral_8x7b.
 
 Each dry run runs in a fresh process (`python -m hpctrain task=dryrun ...`): its wall time is
 the whole command (Python start, imports, config, every group of the full world, the rank's
@@ -30,7 +31,10 @@ TABLES = {"llama3_70b (64 ranks: tp 8, pp 2, dp 4, ZeRO-1)":
           [*LAYOUT_70B, "parallel.dp=4", "cluster.nodes=8", "train.global_batch_size=16"],
           "llama3_405b (1,152 ranks: tp 8, pp 9, dp 16, ZeRO-1)":
           ["model=llama3_405b", "parallel.tp=8", "parallel.pp=9", "parallel.dp=16",
-           "parallel.zero=1", "cluster.nodes=144", "train.global_batch_size=144"]}
+           "parallel.zero=1", "cluster.nodes=144", "train.global_batch_size=144"],
+          "mixtral_8x7b (64 ranks: tp 2, pp 4, dp 8, ep 8, ZeRO-1)":
+          ["model=mixtral_8x7b", "parallel.tp=2", "parallel.pp=4", "parallel.dp=8",
+           "parallel.ep=8", "parallel.zero=1", "cluster.nodes=8", "train.global_batch_size=32"]}
 
 
 def dryrun(overrides: list[str], run_dir: Path) -> tuple[float, float, dict]:

@@ -38,6 +38,14 @@ an all-to-all N less the part kept, a send N, a receive 0 (one op each).
   edp  the routed experts' units as dp's, over the ranks holding the same experts
 Not counted: the step's scalar agreements (loss mean, token counts, gradient norm, overflow),
 a few bytes each.
+
+`plan.time`'s seconds keep the communication of the papers its constants were fitted to
+(Megatron-LM's tables), which departs from these counts where hpctrain's code does: a pipeline
+hop of b·s·h/t (Megatron's scatter/gather) where hpctrain sends b·s·h without sp; ZeRO-1 as a
+reduce-scatter where hpctrain all-reduces its full bucket (3Ψ sent with the all-gather, not
+2Ψ); ZeRO-3's second all-gather once a step where hpctrain gathers every microbatch; full
+recomputation's 2 extra tp all-reduces a block where torch's early-stopping recomputation
+issues 1; 16-bit gradient wires at half the fp32 bytes where hpctrain all-gathers them.
 """
 
 from __future__ import annotations
