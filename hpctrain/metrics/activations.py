@@ -7,6 +7,13 @@ storage (views of one buffer count once), and released when autograd drops it (a
 microbatch's backward). Parameters are model states, not activations, and are skipped.
 Storages created by a rank's own communication buffers are not saved tensors and are not
 counted. `peak_bytes` is the largest live total seen since `reset`.
+
+A block under full activation checkpointing saves only its inputs in the forward; in backward
+torch reruns it and keeps what it saves under torch's own hooks, where the meter's never see
+it. While the meter is active, such a recomputation runs inside `_Recomputation`
+(hpctrain.models.checkpointing.RECOMPUTE_CONTEXT), which counts the storages the rerun keeps
+and raises the peak to the live total plus them at the rerun's end: the moment the block's
+whole set is held again, before its backward consumes it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hpctrain.models.checkpointing import RECOMPUTE_CONTEXT
 from hpctrain.parallel.memory import storage_key
 
 
@@ -78,7 +86,42 @@ class ActivationMeter:
 
     def __enter__(self) -> ActivationMeter:
         self._hooks.__enter__()
+        self._observing = RECOMPUTE_CONTEXT.set(lambda: _Recomputation(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        RECOMPUTE_CONTEXT.reset(self._observing)
+        self._hooks.__exit__(*exc)
+
+
+class _Recomputation:
+    """One checkpointed block's rerun in backward (module docstring). Entered inside torch's
+    recomputation hooks, it stacks hooks that count each new storage, then hand the tensor
+    to torch's (which keep it for the block's backward)."""
+
+    def __init__(self, meter: ActivationMeter):
+        self.meter, self.bytes, self.seen = meter, 0, set()
+
+    def __enter__(self) -> _Recomputation:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            raise RuntimeError("the recomputation context must run inside torch's checkpoint")
+        keep, give = top
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            key = storage_key(storage)
+            m = self.meter
+            if key not in m.skip and key not in m.sizes and key not in self.seen:
+                self.seen.add(key)
+                self.bytes += storage.nbytes()
+            return keep(t)  # torch's own: it may stop the rerun early (raises)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, give)
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        m = self.meter
+        m.peak_bytes = max(m.peak_bytes, m.live + self.bytes)

@@ -26,7 +26,11 @@ so recomputing it would rerun the ring to free almost nothing.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -35,8 +39,20 @@ from hpctrain.models.registry import family_of, model_blocks
 MODES = ("none", "selective", "full")
 
 
+# What a checkpointed block's recomputation runs inside, or None: set by the activation meter
+# while it measures (hpctrain.metrics.activations counts the rerun's saved tensors, which
+# torch keeps under its own hooks). Read at the block's forward; not under train.compile.
+RECOMPUTE_CONTEXT: ContextVar[Callable[[], AbstractContextManager] | None] = ContextVar(
+    "hpctrain_recompute_context", default=None)
+
+
 def _recomputed_forward(module: nn.Module, *args, **kwargs):
-    return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
+    # compiling first: dynamo would break the graph at the ContextVar
+    observe = None if torch.compiler.is_compiling() else RECOMPUTE_CONTEXT.get()
+    if observe is None:
+        return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False,
+                      context_fn=lambda: (nullcontext(), observe()), **kwargs)
 
 
 def recompute_in_backward(module: nn.Module) -> None:

@@ -19,8 +19,10 @@ h model width, K·d key/value width, N heads, f MLP width, t tp:
   RoPE           cos and sin cast to e for q and for k (4·e·d): per token with packed
                  documents (positions differ by row) and under cp (a zigzag shard's positions
                  are taken per row), per position of a row without
-  full recompute only each layer's input (e·h, /t under sp) plus one layer's set while it is
-                 recomputed
+  full recompute only each layer's input (e·h, /t under sp), plus the largest block's set
+                 while it is rerun in its backward (then the head's log-softmax of that
+                 microbatch is already freed; in fp32 the block's first norm keeps the stored
+                 input itself, so that input counts once)
 A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per token it routes
 (all T under tp, T/t under sp, whose MoE block runs on the sequence shard with no gathered
 norm input), E experts, k' expert slots per token (top_k dropless, an upper bound of
@@ -128,9 +130,9 @@ def rank_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size:
                                                precision=precision, ep=ep)
     rope = 4 * e * model.head_dim * (tokens if packed else seq_len)
     per_layer, recomputed = tokens * mean + rope, tokens * largest + rope
+    block_input = tokens * e * model.dim / (tp if sp else 1)
     if recompute == "full":  # layer inputs, plus the layer being recomputed
-        one_set, transient = layers_per_chunk * tokens * e * model.dim / (tp if sp else 1), \
-            recomputed
+        one_set, transient = layers_per_chunk * block_input, recomputed
     else:
         one_set, transient = layers_per_chunk * per_layer, 0.0
     ids = tokens * 8  # the token ids, on the embedding's stage
@@ -142,13 +144,21 @@ def rank_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size:
         block = {moe: tokens * layer_bytes_per_token(model, moe_block=moe, **kw) + rope
                  for moe in {model.is_moe_layer(i) for i in range(model.n_layers)}}
 
-        def stage_bytes(stage: int) -> float:  # its own blocks, dense or mixture of experts
+        def blocks(stage: int) -> list[float]:  # its own, dense or mixture of experts
             lo, hi = round(stage * layers_per_chunk), round((stage + 1) * layers_per_chunk)
-            sets = one_set if recompute == "full" else sum(
-                block[model.is_moe_layer(i)] for i in range(lo, hi))
+            return [block[model.is_moe_layer(i)] for i in range(lo, hi)] or [0.0]
+
+        def stage_bytes(stage: int) -> float:
+            sets = one_set if recompute == "full" else sum(blocks(stage))
             return sets + (ids if stage == 0 else 0.0) + (head if stage == last else 0.0)
 
-        return [peak + transient for peak in stage_peaks(stage_bytes)]
+        def rerun(stage: int) -> float:  # full: the block rerun in backward, after the head's
+            # backward freed it; in fp32 its first norm keeps the stored input itself
+            shared = block_input if e == 4 else 0.0
+            return max(blocks(stage)) - shared - (head if stage == last else 0.0)
+
+        return list(stage_peaks(stage_bytes, backward_extra=rerun if recompute == "full"
+                                else None))
     if in_flight is None:
         raise ValueError("rank_activation_bytes needs stage_peaks or in_flight")
     ranks = [sets * one_set + transient for sets in in_flight]

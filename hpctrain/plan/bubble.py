@@ -103,18 +103,25 @@ def _live_events(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[tuple[in
 
 
 def weighted_peaks(schedule: str, stage_bytes: Callable[[int], float], *, pp: int, m: int,
-                   v: int = 1) -> tuple[float, ...]:
+                   v: int = 1, backward_extra: Callable[[int], float] | None = None
+                   ) -> tuple[float, ...]:
     """Per pipeline rank, the peak over its actions in order of Σ stage_bytes(s) of the
     (microbatch, stage s) sets alive: `in_flight_by_rank` with each set weighed, so what only
     one stage keeps (the head's log-softmax on the last, the token ids on the first) counts
-    exactly while that stage's own sets are alive. pp = 1: one set of stage 0."""
+    exactly while that stage's own sets are alive. `backward_extra(s)`: what a set's backward
+    holds beyond the live sets while it runs (full recomputation: the block rerun, less what
+    that backward freed first), a candidate peak at each backward. pp = 1: one set of
+    stage 0."""
     _check(schedule, pp, m, v)
+    extra = backward_extra or (lambda _stage: 0.0)
     if pp == 1:
-        return (stage_bytes(0),)
+        return (stage_bytes(0) + max(0.0, extra(0)),)
     peaks = []
     for events in _live_events(schedule, pp, m, v):
         live = peak = 0.0
         for sign, stage in events:
+            if sign < 0:
+                peak = max(peak, live + extra(stage))
             live += sign * stage_bytes(stage)
             peak = max(peak, live)
         peaks.append(peak)

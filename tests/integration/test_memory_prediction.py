@@ -23,7 +23,8 @@ SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=di
 LAYOUTS = {"dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
            "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
            "tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
-           "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+           "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+           "dp2_full": ["parallel.dp=2", "train.activation_checkpointing=full"]}
 DRY_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes",
             "optim": "mem_optim_bytes", "buffers": "mem_buffers_bytes",
             "activations": "mem_activation_peak_bytes", "host": "mem_optim_host_bytes"}

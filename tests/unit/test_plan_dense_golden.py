@@ -13,8 +13,10 @@ near-equal candidates changed), and again for issue 29 (under sp a norm saves on
 gathered output, once a block since the gather returns it contiguous; under cp RoPE's tables
 are per token; a pipeline rank's peak weighs each live set by what its stage keeps, so the
 head's log-softmax counts while the last stage's sets live, not ceil(in flight / v) times:
-activations 0.23-1.00× (interleaved with full recompute, whose sets are small, most),
-nothing else changed, same verdicts and winners).
+activations 0.23-1.00× (interleaved with full recompute, whose sets are small, most);
+full recomputation's rerun block counts at its backward, after the head's log-softmax is
+freed and without the stored input its fp32 norm shares: 0.72-1.00× more; nothing else
+changed, same verdicts and winners).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 
