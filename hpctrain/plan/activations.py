@@ -157,8 +157,10 @@ def rank_activation_bytes(model: ModelConfig, *, seq_len: int, micro_batch_size:
             shared = block_input if e == 4 else 0.0
             return max(blocks(stage)) - shared - (head if stage == last else 0.0)
 
-        return list(stage_peaks(stage_bytes, backward_extra=rerun if recompute == "full"
-                                else None))
+        sets = [stage_bytes(stage) for stage in range(last + 1)]  # each once: the peaks
+        reruns = [rerun(stage) for stage in range(last + 1)]  # read them per action
+        return list(stage_peaks(sets.__getitem__, backward_extra=reruns.__getitem__
+                                if recompute == "full" else None))
     if in_flight is None:
         raise ValueError("rank_activation_bytes needs stage_peaks or in_flight")
     ranks = [sets * one_set + transient for sets in in_flight]
