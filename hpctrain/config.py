@@ -36,6 +36,13 @@ class ClusterConfig:
     time_min: int = 60  # --time; submitit sends USR2 signal_delay_s before it
     constraint: str | None = None
     exclude: str | None = None
+    # Faults on Slurm (hpctrain.launch.requeue): a dead node or a hung rank requeues the job
+    # without the node(s) named, at most this many times (preemptions and time limits do not
+    # count). elastic: the job asks for --nodes=min_nodes-nodes and each start runs the world
+    # Slurm gave it, at a layout chosen for it (hpctrain.launch.elastic).
+    max_restarts: int = 3
+    elastic: bool = False
+    min_nodes: int = 1
     # Before submitting a training job: set up its chosen ranks on meta tensors (task=dryrun,
     # hpctrain.plan.dryrun) and submit only when every one fits the usable memory.
     check_before_submit: bool = False
@@ -285,6 +292,15 @@ class Config:
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    @property
+    def layout_label(self) -> str:
+        """The run's layout in one line, e.g. "dp2 tp2 pp1 cp1 ep1 z1 1f1b accum4" (restart
+        records, elastic starts)."""
+        p = self.parallel
+        return (f"dp{p.dp} tp{p.tp} pp{p.pp} cp{p.cp} ep{p.ep} z{p.zero}"
+                + (f" hsdp{p.dp_replicate}" if p.dp_replicate > 1 else "")
+                + f" {p.schedule} accum{self.grad_accum}")
 
 
 _GROUPS = {

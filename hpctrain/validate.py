@@ -74,6 +74,20 @@ def check_signal_delay(c: Config) -> list[str]:
             f"raise cluster.time_min to {cl.signal_delay_s // 60 + 1} or more"]
 
 
+def check_elastic(c: Config) -> list[str]:
+    """An elastic job runs on min_nodes..nodes nodes of a Slurm cluster."""
+    cl = c.cluster
+    if not cl.elastic:
+        return []
+    if cl.launcher != "slurm":
+        return [f"cluster.elastic=true needs a Slurm cluster (cluster={cl.name} launches "
+                "locally): use cluster=slurm or a site preset, or set cluster.elastic=false"]
+    if cl.min_nodes > cl.nodes:
+        return [f"cluster.min_nodes={cl.min_nodes} exceeds cluster.nodes={cl.nodes}, the most "
+                f"an elastic job runs on: set cluster.min_nodes between 1 and {cl.nodes}"]
+    return []
+
+
 def check_optim(c: Config) -> list[str]:
     """A decaying schedule decays down to min_lr, not up."""
     o = c.optim
@@ -309,6 +323,8 @@ DERIVED: dict[Check, tuple[str, ...]] = {
     check_hsdp: ("parallel.dp_replicate", "parallel.dp", "parallel.dp_shard", "parallel.ep",
                  "cluster.procs_per_node"),
     check_signal_delay: ("cluster.signal_delay_s", "cluster.time_min", "cluster.launcher"),
+    check_elastic: ("cluster.elastic", "cluster.min_nodes", "cluster.nodes",
+                    "cluster.launcher"),
     check_optim: ("optim.min_lr", "optim.lr", "optim.lr_schedule"),
     check_lr_schedule: ("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction",
                         "train.steps"),
@@ -342,6 +358,7 @@ DERIVED: dict[Check, tuple[str, ...]] = {
 DATA_CHECKS = (check_resume, check_data_paths, check_format, check_tokenizer, check_cache_dir,
                check_vocab, check_model_tokenizer, check_data_size)
 CHECKS: tuple[Check, ...] = (*INPUTS, check_cp, check_world, check_hsdp, check_signal_delay,
+                             check_elastic,
                              check_optim, check_lr_schedule, check_head_dim, check_model_shape,
                              check_batch, check_eval, check_packing,
                              check_vocab, check_model_tokenizer, check_data_size,

@@ -119,6 +119,10 @@ RANGES: dict[str, Range] = {
                                fix="a stuck collective fails after this many seconds: e.g. "
                                    "cluster.timeout_s=300 (at most a week)"),
     "cluster.threads_per_proc": positive(),
+    "cluster.max_restarts": at_least(0, "how many faults a job requeues itself after: e.g. "
+                                        "cluster.max_restarts=3 (0: none)"),
+    "cluster.min_nodes": positive("the fewest nodes an elastic job runs on: e.g. "
+                                  "cluster.min_nodes=1"),
     "cluster.time_min": positive("the Slurm time limit in minutes: e.g. cluster.time_min=60"),
     "cluster.gpus_per_node": at_least(0, "set it to 0 (no --gres) or the GPUs of a node"),
     "cluster.cpus_per_task": positive(),

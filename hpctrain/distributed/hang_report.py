@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,21 @@ def _peers_ahead(beats: dict[int, Beat | None], beat: Beat, rank: int) -> str:
     return f"; the ranks still running reached step {max(others)} and wait for it there"
 
 
+FAILED = "failed: "  # the phase a rank's last beat carries when it raised (`Watchdog.failed`)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What ended a job, as the rank that claimed the report saw it: handed to the launcher's
+    fault handler (on Slurm: exclude the nodes and requeue, `hpctrain.launch.requeue`)."""
+
+    message: str  # the report
+    step: int | None  # the step the reporting rank was in
+    ranks: tuple[int, ...]  # the ranks named (empty: every rank waits in one collective)
+    nodes: tuple[str, ...]  # the hosts of those gone or frozen (`blamed_nodes`)
+    error: str | None  # a named rank raised this: a fault of the code, not of its node
+
+
 def _at(beat: Beat) -> str:
     return f"step {beat.get('step')} ({beat.get('phase')})"
 
@@ -94,8 +110,10 @@ def _at(beat: Beat) -> str:
 def suspects(beats: dict[int, Beat | None], *, now: float, stale_s: float) -> list[tuple[int, str]]:
     """(rank, why) of every rank that holds the job up; empty when none stands out."""
     named = [(r, "never wrote a heartbeat") for r, b in beats.items() if b is None]
+    named += [(r, f"raised {b['phase'][len(FAILED):]} in step {b.get('step')}")
+              for r, b in beats.items() if b and str(b.get("phase")).startswith(FAILED)]
     for rank, beat in beats.items():
-        if beat is None:
+        if beat is None or str(beat.get("phase")).startswith(FAILED):
             continue
         age = now - float(beat.get("beat", 0.0))
         if _gone(beat):
@@ -139,11 +157,8 @@ def waiting_in(*, frame=None, tb=None) -> str | None:
     return f"{comm[-1].name + ' from ' if comm else ''}{short}:{line.lineno} ({line.name})"
 
 
-def format_message(cause: str, *, reporter: int, host: str, step: int | None, phase: str,
-                   where: str | None, culprits: list[tuple[int, str]], hang_dir: Path,
-                   beats_dir: Path, slurm: bool, saved: Path | None = None) -> str:
-    """The one message that ends a hung job (`beats_dir`: the heartbeat files; `saved`: the
-    newest finished checkpoint, which a resubmission resumes from)."""
+def hosts_of(beats_dir: Path) -> dict[int, str]:
+    """rank → the host its heartbeat names."""
     hosts: dict[int, str] = {}
     for path in beats_dir.glob("rank_*.json"):
         try:
@@ -151,21 +166,61 @@ def format_message(cause: str, *, reporter: int, host: str, step: int | None, ph
             hosts[int(beat["rank"])] = str(beat["host"])
         except (OSError, ValueError, KeyError):
             continue
+    return hosts
+
+
+# A rank named for one of these is gone or frozen: its node is at fault. One named only for
+# being behind may just have written its beat before the others' (a beat lags its step by up
+# to a second: dozens of short steps), so its node is not blamed.
+_GONE = ("never wrote", "has exited", "stopped responding")
+
+
+def blamed_nodes(culprits: list[tuple[int, str]], hosts: dict[int, str]) -> list[str]:
+    """The hosts of the culprits that are gone or frozen (`_GONE`)."""
+    return sorted({hosts[r] for r, why in culprits if r in hosts and why.startswith(_GONE)})
+
+
+def fault(message: str, *, step: int | None, culprits: list[tuple[int, str]],
+          beats: dict[int, Beat | None], beats_dir: Path) -> Fault:
+    """The `Fault` a report describes (`culprits` from `suspects`)."""
+    raised = [str(b["phase"])[len(FAILED):] for r, b in beats.items()
+              if b and str(b.get("phase")).startswith(FAILED)]
+    return Fault(message=message, step=step, ranks=tuple(r for r, _ in culprits),
+                 nodes=tuple(blamed_nodes(culprits, hosts_of(beats_dir))),
+                 error=raised[0] if raised else None)
+
+
+def format_message(cause: str, *, reporter: int, host: str, step: int | None, phase: str,
+                   where: str | None, culprits: list[tuple[int, str]], hang_dir: Path,
+                   beats_dir: Path, slurm: bool, saved: Path | None = None,
+                   requeues: bool = False) -> str:
+    """The one message that ends a hung job (`beats_dir`: the heartbeat files; `saved`: the
+    newest finished checkpoint, which a resubmission resumes from; `requeues`: the launcher
+    requeues the job itself, without the named nodes)."""
+    hosts = hosts_of(beats_dir)
     if culprits:
         head = "; ".join(f"rank {r} (host {hosts.get(r, '?')}) {why}" for r, why in culprits)
     else:
         head = ("no rank is silent or behind: every rank waits in the same collective, which "
                 "the network did not complete")
-    lost = any("has exited" in why for _, why in culprits)
+    lost = any("has exited" in why or why.startswith("raised ") for _, why in culprits)
     lines = [f"{'lost a rank' if lost else 'hang'}: {head}.",
              f"rank {reporter} (host {host}) gave up in step {step} ({phase})"
              f"{' waiting in ' + where if where else ''}: {cause}.",
              f"Stacks of the live ranks and flight recorder: {hang_dir}; heartbeats: "
              f"{beats_dir}"]
-    bad_nodes = sorted({hosts[r] for r, _ in culprits if r in hosts})
+    bad_nodes = blamed_nodes(culprits, hosts)
     resumes = (f"it resumes from its last checkpoint ({saved.name})" if saved is not None else
                "no checkpoint was saved yet, so it starts from step 0")
-    if slurm and bad_nodes:
+    raised = any(why.startswith("raised ") for _, why in culprits)
+    if raised:
+        lines.append(f"Fix the error (its traceback is in that rank's log) and resubmit; "
+                     f"{resumes}.")
+    elif requeues:
+        without = f"without {','.join(bad_nodes)}" if bad_nodes else "excluding no node"
+        lines.append(f"The job requeues itself {without} unless cluster.max_restarts is "
+                     f"reached; {resumes}.")
+    elif slurm and bad_nodes:
         nodes = ",".join(bad_nodes)
         lines.append(f"Resubmit without the node: --exclude={nodes} (or cluster.exclude={nodes}); "
                      f"{resumes}.")

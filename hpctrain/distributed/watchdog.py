@@ -36,6 +36,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -109,7 +110,8 @@ class Watchdog:
     """This rank's heartbeat and its watching thread (`start`/`stop`, or use as a context)."""
 
     def __init__(self, run_dir: Path | str, *, rank: int, world_size: int, timeout_s: float,
-                 rule: StallRule | None = None):
+                 rule: StallRule | None = None,
+                 on_fault: Callable[[hang_report.Fault], None] | None = None):
         self.run_dir = Path(run_dir)
         self.dir = rundir.hang_dir(run_dir)  # created only when a hang is suspected
         self.beats_dir = rundir.heartbeat_dir(run_dir)
@@ -130,6 +132,8 @@ class Watchdog:
         self._reported = False
         self._beat_failed = False
         self._thread: threading.Thread | None = None
+        # Called by the rank that claims the report, before it exits (Slurm: requeue).
+        self.on_fault = on_fault
 
     # -- called by the training loop (cheap) ----------------------------------------------
     def step(self, step: int, *, phase: str = "train") -> None:
@@ -143,6 +147,13 @@ class Watchdog:
         """Leave the step loop (final save, summary): no step-time rule applies any more; a
         stuck collective still raises through the process-group timeout."""
         self.phase, self.armed = phase, False
+
+    def failed(self, err: BaseException) -> None:
+        """This rank raised `err` and ends: its last beat says so, so the peers that report
+        the lost rank name the error (a fault of the code: nothing is requeued)."""
+        error = f"{type(err).__name__}: {hang_report.first_line(err)}"
+        self.phase, self.armed = hang_report.FAILED + error, False
+        self._write_beat()
 
     # -- the thread ------------------------------------------------------------------------
     def check(self, now: float) -> Verdict:
@@ -250,9 +261,13 @@ class Watchdog:
             cause, reporter=self.rank, host=self.host, step=self.current, phase=self.phase,
             where=where, culprits=culprits,
             hang_dir=self.dir, beats_dir=self.beats_dir, slurm=hang_report.on_slurm(),
-            saved=next(iter(rundir.checkpoints(self.run_dir)), None))
+            saved=next(iter(rundir.checkpoints(self.run_dir)), None),
+            requeues=self.on_fault is not None)
         if hang_report.claim(self.dir / "report.txt", message):
             log.error("%s", message)
+            if self.on_fault is not None:
+                self.on_fault(hang_report.fault(message, step=self.current, culprits=culprits,
+                                                beats=beats, beats_dir=self.beats_dir))
         else:
             log.info("stacks of rank %d written to %s (the hang was reported by another rank)",
                      self.rank, self.dir)

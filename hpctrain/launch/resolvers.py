@@ -3,7 +3,7 @@
 Registered where Hydra is entered (`hpctrain.__main__`, also inside its task function, which
 a submitit job unpickles and calls; `hpctrain.launch.sbatch`), so
 `conf/cluster/slurm.yaml` can derive `nodes` from the parallel layout and build the job's
-`setup` lines and `gres` from `cluster.*` instead of repeating them.
+`setup` lines, `gres` and the job's flags from `cluster.*` instead of repeating them.
 """
 
 from __future__ import annotations
@@ -44,10 +44,23 @@ def setup_lines(setup: Sequence[str] | None, env: Mapping[str, object] | None) -
 
 
 def launcher_setup(setup: Sequence[str] | None, env: Mapping[str, object] | None) -> list[str]:
-    """The submitit job script's setup: `setup_lines`, then SLURM_KILL_BAD_EXIT=1 so srun ends
-    the whole step when one rank fails (submitit's srun has no --kill-on-bad-exit, and a rank
-    the watchdog stopped on would otherwise keep a stopped peer's job alive to its limit)."""
-    return [*setup_lines(setup, env), "export SLURM_KILL_BAD_EXIT=1"]
+    """The submitit job script's setup: `setup_lines`, then SLURM_NO_KILL=set, srun's
+    --no-kill (submitit's srun takes no flags of ours): a node that fails ends only its own
+    tasks, so the ranks still alive report it and requeue the job without it
+    (hpctrain.launch.requeue; srun's default would kill them at once)."""
+    return [*setup_lines(setup, env), "export SLURM_NO_KILL=set"]
+
+
+def job_flags(elastic: bool, min_nodes: int, nodes: int) -> dict[str, object]:
+    """sbatch flags every training job carries: --requeue (a preemption or node failure brings
+    it back), --no-kill (a failed node does not end the allocation: the ranks still alive
+    report it and requeue the job without it, hpctrain.launch.requeue) and, elastic, --nodes as
+    a range (hpctrain.launch.elastic). No --kill-on-bad-exit: it would end those ranks before
+    they report; a rank that gives up ends the step itself."""
+    flags: dict[str, object] = {"requeue": True, "no_kill": True}
+    if elastic:
+        flags["nodes"] = f"{int(min_nodes)}-{int(nodes)}"
+    return flags
 
 
 def register() -> None:
@@ -56,6 +69,7 @@ def register() -> None:
         "hpctrain.nodes": nodes_for,
         "hpctrain.gres": gres_for,
         "hpctrain.setup": lambda setup, env: launcher_setup(_plain(setup), _plain(env)),
+        "hpctrain.job_flags": job_flags,
     }
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

@@ -49,7 +49,9 @@ def render_sbatch(cfg: Config, overrides: Sequence[str], *, job_name: str = "hpc
     args = [o for o in overrides if not o.startswith("hydra.run.dir=")]
     args.append(f"hydra.run.dir={cfg.run_dir}")
     values = {
-        "JOB_NAME": job_name, "NODES": c.nodes, "PROCS_PER_NODE": c.procs_per_node,
+        "JOB_NAME": job_name,
+        "NODE_RANGE": f"{c.min_nodes}-{c.nodes}" if c.elastic else c.nodes,
+        "PROCS_PER_NODE": c.procs_per_node,
         "WORLD": c.world_size, "CPUS_PER_TASK": c.cpus_per_task, "TIME_MIN": c.time_min,
         "SIGNAL_DELAY_S": c.signal_delay_s, "RUN_DIR": cfg.run_dir,
         "OPTIONAL_SBATCH": "\n".join(_optional(cfg)),

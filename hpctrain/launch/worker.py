@@ -27,6 +27,7 @@ from hpctrain.distributed.mesh import Mesh, build_mesh
 from hpctrain.distributed.teardown import close_process_groups
 from hpctrain.distributed.watchdog import EXIT_HANG, Watchdog, exit_now
 from hpctrain.errors import OnceFileHandler
+from hpctrain.launch import oom
 from hpctrain.metrics.redact import Secrets, install_log_filter
 
 TaskFn = Callable[[Config, Mesh], dict[str, Any]]
@@ -57,10 +58,12 @@ def backend_for(cfg: Config, device_type: str) -> str:
 
 
 def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_rank: int,
-             store: dist.Store | None = None) -> dict[str, Any]:
+             store: dist.Store | None = None,
+             on_fault: Callable[[hang_report.Fault], None] | None = None) -> dict[str, Any]:
     """Initialise the default group (from `store`, or env:// MASTER_ADDR/PORT), run `task`
     under the hang watchdog. A wait that times out or loses its peer ends the process with
-    status EXIT_HANG after the watchdog's report; other errors propagate."""
+    status EXIT_HANG after the watchdog's report (and `on_fault` when this rank claimed it);
+    other errors propagate, named in this rank's heartbeat for its peers' report."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(rank, log_file=run_dir / "hpctrain.log",
@@ -72,12 +75,13 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
         hang_report.archive_previous(run_dir)
     device_type = resolve_device_type(cfg.cluster.device)
     device = local_device(device_type, local_rank)
+    oom.record(device)  # CUDA: the allocator's history, for the snapshot at an OOM
     timeout = datetime.timedelta(seconds=cfg.cluster.timeout_s)
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend_for(cfg, device_type), rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
     watchdog = Watchdog(run_dir, rank=rank, world_size=world_size,
-                        timeout_s=cfg.cluster.timeout_s)
+                        timeout_s=cfg.cluster.timeout_s, on_fault=on_fault)
     finished = False
     try:
         mesh = build_mesh(cfg.parallel.dims, rank=rank, device=device, timeout=timeout,
@@ -89,7 +93,11 @@ def run_rank(cfg: Config, task: TaskFn, *, rank: int, world_size: int, local_ran
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # torch's CheckpointException is a BaseException
+        if isinstance(err, torch.OutOfMemoryError):
+            watchdog.failed(err)
+            raise oom.stop(cfg, err, rank=rank, step=watchdog.current, device=device) from err
         if not hang_report.is_comm_failure(err):
+            watchdog.failed(err)
             raise
         watchdog.report(hang_report.first_line(err), tb=err.__traceback__)
         exit_now(EXIT_HANG)  # the job is over: no teardown (seconds on a loaded node)

@@ -52,3 +52,26 @@ def test_nccl_process_group_runs_a_training_step(tmp_path):
             "logger.wandb=disabled", "data.max_bytes=300000", "cluster.backend=nccl"]
     summary = tasks.run(make_config(over, run_dir=tmp_path))
     assert summary["completed_steps"] == 2 and summary["device"] != "cpu"
+
+
+def test_a_real_cuda_oom_writes_the_allocator_snapshot(tmp_path):
+    """hpctrain.launch.oom on a real CUDA out-of-memory error: the allocator's history as a
+    snapshot pickle, the prediction beside it, and the message with both peaks."""
+    import pickle
+
+    from hpctrain.launch import oom
+
+    device = torch.device("cuda", 0)
+    cfg = make_config(["model=debug", "train=debug"], run_dir=tmp_path)
+    oom.record(device)
+    keep = torch.empty(1 << 20, device=device)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)  # a petabyte
+    stopped = oom.stop(cfg, caught.value, rank=0, step=7, device=device)
+    assert stopped.exit_code == oom.EXIT_OOM
+    assert "out of memory in step 7 on rank 0" in str(stopped) and "allocated" in str(stopped)
+    snapshot = pickle.loads((tmp_path / "oom" / "rank_0_snapshot.pickle").read_bytes())
+    assert snapshot["device_traces"] and snapshot["segments"]
+    assert (tmp_path / "oom" / "rank_0_predicted.json").exists()
+    del keep
+    torch.cuda.memory._record_memory_history(enabled=None)

@@ -184,3 +184,44 @@ def test_a_killed_rank_ends_the_job_named(tmp_path):
     assert code != 0 and exit_s < 10, (code, exit_s)
     assert f"rank 1 (pid {victim}) was killed by SIGKILL (its last heartbeat: step" in out
     assert not (left := _alive(family)), left
+
+
+OOM_SITE = '''"""Rank 1 runs out of memory in step 3: raised from outside hpctrain's code."""
+import torch
+import torch.distributed as dist
+from hpctrain.train import trainer
+
+_original = trainer.Trainer.train_one
+
+
+def train_one(self):
+    if self.step == 3 and dist.get_rank() == 1:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return _original(self)
+
+
+trainer.Trainer.train_one = train_one
+'''
+
+
+def test_out_of_memory_ends_with_the_step_rank_peaks_and_fix(tmp_path):
+    """A torch.OutOfMemoryError in one rank (a sitecustomize in the ranks' interpreter): exit 4
+    and one message with the step, the rank, the measured and predicted peaks and the fix; the
+    prediction is written next to the history (the CUDA snapshot itself: tests/gpu)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OOM_SITE)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
+           "WANDB_SILENT": "true"}
+    run = [a for a in RUN if not a.startswith("train.steps=")] + ["train.steps=8"]
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", *run,
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stderr.splitlines() if "out of memory in step 3 on rank 1" in ln)
+    assert re.search(r"measured peak [\d.]+ GiB resident \(max RSS\), the planner predicted "
+                     r"[\d.e-]+ GiB a rank \(states", line), line
+    assert "Fix: lower train.micro_batch_size" in line
+    saved = json.loads((tmp_path / "run" / "oom" / "rank_1_predicted.json").read_text())
+    assert saved["step"] == 3 and saved["predicted_bytes"]["total"] > 0
+    assert "raised OutOfMemoryError" in (tmp_path / "run" / "hang" / "report.txt").read_text()

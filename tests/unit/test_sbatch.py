@@ -84,7 +84,8 @@ def test_world_not_filling_nodes_is_refused():
         make_config(["cluster=slurm_local", "parallel.dp=3"])
 
 
-def test_submitit_jobs_end_when_one_rank_fails():
-    """srun under submitit has no --kill-on-bad-exit: the job script exports its variable."""
+def test_submitit_jobs_keep_their_ranks_when_a_node_fails():
+    """srun under submitit takes no flags of ours: the job script exports --no-kill's variable
+    (with --kill-on-bad-exit's, a node failure would end the ranks that requeue the job)."""
     assert launcher_setup(["module load x"], {"A": 1}) == [
-        "module load x", "export A=1", "export SLURM_KILL_BAD_EXIT=1"]
+        "module load x", "export A=1", "export SLURM_NO_KILL=set"]
