@@ -17,6 +17,13 @@ the benchmark with it), injects one fault and measures from the fault to the lau
               the same command resumes (root only)
   read_only   a run directory on a read-only filesystem (root only)
   bad_cache   the prepared token cache truncated to 1,000 tokens (refused before launch)
+  slurm_node_down  on the local Slurm cluster (slurm/local/start.sh), dp=4 on 2 nodes × 2
+              tasks, cluster.elastic: n2 set DOWN mid-run; requeued without it, dp=2 on n1
+  slurm_hang  the same, a rank on n2 SIGSTOPped (cluster.timeout_s=20)
+
+The Slurm scenarios time each phase from the fault: detection (the fault recorded), the job
+running again, the run resumed, training again (its first new step), and the steps lost; and,
+for the time a person needs today, the same job's submission to its first step.
 
 Usage: python benchmarks/bench_reliability.py [--only sigstop,nan,...] [--out results.json]
 """
@@ -269,6 +276,93 @@ def scenario_bad_cache(tmp: Path) -> dict:
     code, out = finish(start(tmp / "cache_bad", *cache))
     return {"exit_code": code, "refused_s": time.monotonic() - t0,
             "ranks_started": "rank0" in out, "message": last_error(out)}
+
+
+SLURM_RUN = ["cluster=slurm_local", "cluster.elastic=true", "cluster.timeout_s=20",
+             "parallel=dp2", "parallel.dp=4", "train.global_batch_size=64", "train.steps=80",
+             "train.checkpoint_every=10", "model=debug", "train=debug", "data.max_bytes=200000",
+             "logger.wandb=disabled", "logger.progress=plain", "train.eval_every=0"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def _until(pred, limit_s: float, what: str):
+    deadline = time.monotonic() + limit_s
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not seen within {limit_s} s")
+        time.sleep(0.05)
+    return value
+
+
+def _job_running(job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return out.strip() == "RUNNING"
+
+
+def _slurm_fault(tmp: Path, name: str, inject) -> dict:
+    sweep, run_dir = tmp / name, tmp / name / "0"
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    submitted = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "-m", *SLURM_RUN,
+                             f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = _until(lambda: (_metrics(run_dir) or [None])[0], 180, "the first step")
+        _until(lambda: len(_metrics(run_dir)) >= 30, 180, "30 steps")
+        job = next(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
+        fault_at = time.time()
+        inject(run_dir)
+        fault = run_dir / ".hpctrain" / "fault.json"
+        _until(fault.exists, 120, "the fault record")
+        detected = fault.stat().st_mtime
+        _until(lambda: not _job_running(job), 60, "the job leaving RUNNING")
+        _until(lambda: _job_running(job), 180, "the job running again")
+        running = time.time()
+        record = _until(lambda: (run_dir / "restarts.jsonl").exists() and json.loads(
+            (run_dir / "restarts.jsonl").read_text().splitlines()[0]), 180, "the restart")
+        resumed = record["resumed_step"]
+        again = _until(lambda: next((r for r in _metrics(run_dir)
+                                     if r["time"] > fault_at and r["step"] > resumed), None),
+                       180, "a new step")
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    return {"exit": proc.returncode, "cause": record["cause"], "nodes": record["nodes"],
+            "detected_s": detected - fault_at, "running_again_s": running - fault_at,
+            "resumed_s": record["restarted"] - fault_at,
+            "training_again_s": again["time"] - fault_at,
+            "steps_lost": record["steps_lost"], "world": [record["world_before"],
+                                                          record["world_after"]],
+            "layout": [record["layout_before"], record["layout_after"]],
+            "step_time_s": [first["step_time_s"], again["step_time_s"]],
+            "submit_to_first_step_s": first["time"] - submitted, "tail": out[-300:]}
+
+
+def scenario_slurm_node_down(tmp: Path) -> dict:
+    def down(run_dir: Path) -> None:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=down",
+                        "reason=bench_reliability"], check=True, timeout=30)
+    try:
+        return _slurm_fault(tmp, "node_down", down)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], timeout=30,
+                       capture_output=True)
+
+
+def scenario_slurm_hang(tmp: Path) -> dict:
+    def stop(run_dir: Path) -> None:
+        pid = json.loads((heartbeat_dir(run_dir) / "rank_3.json").read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+    return _slurm_fault(tmp, "hang", stop)
 
 
 def watchdog_cost(tmp: Path) -> dict:
