@@ -266,8 +266,13 @@ class Watchdog:
         if hang_report.claim(self.dir / "report.txt", message):
             log.error("%s", message)
             if self.on_fault is not None:
-                self.on_fault(hang_report.fault(message, step=self.current, culprits=culprits,
-                                                beats=beats, beats_dir=self.beats_dir))
+                fault = hang_report.fault(message, step=self.current, culprits=culprits,
+                                          beats=beats, beats_dir=self.beats_dir)
+                try:
+                    self.on_fault(fault)
+                except Exception:  # noqa: BLE001 - the rank must still end (exit_now follows)
+                    log.exception("the launcher's fault handler failed; the job ends without "
+                                  "a requeue")
         else:
             log.info("stacks of rank %d written to %s (the hang was reported by another rank)",
                      self.rank, self.dir)
