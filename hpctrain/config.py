@@ -43,6 +43,12 @@ class ClusterConfig:
     max_restarts: int = 3
     elastic: bool = False
     min_nodes: int = 1
+    # Stragglers (hpctrain.distributed.stragglers): every straggler_window steps (0: never) a
+    # rank whose compute time exceeds the median by more than straggler_threshold (a fraction)
+    # is named; exclude_stragglers: its node is excluded at the next restart.
+    straggler_window: int = 50
+    straggler_threshold: float = 0.2
+    exclude_stragglers: bool = False
     # Before submitting a training job: set up its chosen ranks on meta tensors (task=dryrun,
     # hpctrain.plan.dryrun) and submit only when every one fits the usable memory.
     check_before_submit: bool = False

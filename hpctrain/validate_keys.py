@@ -121,6 +121,10 @@ RANGES: dict[str, Range] = {
     "cluster.threads_per_proc": positive(),
     "cluster.max_restarts": at_least(0, "how many faults a job requeues itself after: e.g. "
                                         "cluster.max_restarts=3 (0: none)"),
+    "cluster.straggler_window": at_least(0, "steps between straggler checks: e.g. "
+                                            "cluster.straggler_window=50 (0: never)"),
+    "cluster.straggler_threshold": positive("a fraction over the median compute time: e.g. "
+                                            "cluster.straggler_threshold=0.2"),
     "cluster.min_nodes": positive("the fewest nodes an elastic job runs on: e.g. "
                                   "cluster.min_nodes=1"),
     "cluster.time_min": positive("the Slurm time limit in minutes: e.g. cluster.time_min=60"),

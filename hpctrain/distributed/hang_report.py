@@ -253,18 +253,32 @@ def archive_previous(run_dir: Path) -> None:
         current.rename(previous)
 
 
-def dump_flight_recorder(path: Path) -> bytes | None:
-    """torch's flight recorder (recent collectives of every group, with their states) as JSON,
-    written to `path` and returned, when torch records (TORCH_FR_BUFFER_SIZE > 0, set by
-    `launch.worker`)."""
-    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
+def recording() -> bool:
+    """torch's flight recorder records (TORCH_FR_BUFFER_SIZE > 0, set by `launch.worker`)."""
+    return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
+
+
+def flight_recorder() -> bytes | None:
+    """torch's flight recorder (recent collectives of every group, with their states and issue
+    times) as JSON, when it records."""
+    if not recording():
         return None
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json  # private: this one place
 
-        trace = _dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+        return _dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+    except (ImportError, RuntimeError):
+        return None
+
+
+def dump_flight_recorder(path: Path) -> bytes | None:
+    """`flight_recorder()`, written to `path` and returned."""
+    trace = flight_recorder()
+    if trace is None:
+        return None
+    try:
         path.write_bytes(trace)
-    except (ImportError, RuntimeError, OSError):
+    except OSError:
         return None
     return trace
 

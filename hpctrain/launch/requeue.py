@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from hpctrain.config import Config
-from hpctrain.distributed import restarts
+from hpctrain.distributed import restarts, stragglers
 from hpctrain.distributed.hang_report import Fault
 from hpctrain.distributed.rundir import work_dir
 from hpctrain.launch import task_results
@@ -147,7 +147,7 @@ def leave_excluded(cfg: Config, *, job_id: str, nodelist: str, most_nodes: int) 
     here = sorted(set(hostnames(nodelist)) & set(excluded)) if excluded else []
     if not here:
         return False
-    all_excluded = sorted({*excluded, *configured(cfg)})
+    all_excluded = sorted({*excluded, *configured(cfg), *stragglers.excluded(cfg.run_dir)})
     log.warning("job %s started on %s, excluded after an earlier fault: requeueing it "
                 "without %s", job_id, ",".join(here), ",".join(all_excluded))
     run_detached(requeue_script(job_id, all_excluded, **job_size(cfg, most_nodes)),
@@ -203,7 +203,8 @@ class Requeue:
                     "its newest checkpoint)")
         restarts.record_fault(self.run_dir, cause=cause, nodes=nodes, step=fault.step,
                               world=self.world, layout=self.layout, job_id=self.job_id)
-        exclude = sorted({*self.configured, *restarts.excluded(self.run_dir)})
+        exclude = sorted({*self.configured, *restarts.excluded(self.run_dir),
+                          *stragglers.excluded(self.run_dir)})
         log.warning("%s (%s): requeueing job %s without %s, restart %d of at most %d",
                     cause, ",".join(nodes) or "no node named", self.job_id,
                     ",".join(exclude) or "any node", len(earlier) + 1, self.max_restarts)

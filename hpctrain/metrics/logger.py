@@ -75,6 +75,12 @@ class MultiLogger:
         for s in self.sinks:
             s.summary(values)
 
+    def alert(self, title: str, text: str) -> None:
+        """To the sinks that alert a person (W&B); the others have the metrics already."""
+        for s in self.sinks:
+            if hasattr(s, "alert"):
+                s.alert(title, text)
+
     def close(self) -> None:
         for s in self.sinks:
             s.close()

@@ -132,6 +132,16 @@ class WandbLogger:
 
         self._guarded("summary", update)
 
+    def alert(self, title: str, text: str) -> None:
+        """A W&B alert (offline runs have none: their metrics say it); its failure is logged
+        and leaves the run logging."""
+        if self.run is None or self.run.settings.mode == "offline":
+            return
+        try:
+            self.run.alert(title=title, text=self.secrets.data(text))
+        except Exception as err:  # noqa: BLE001 - W&B is best effort
+            log.warning("W&B alert failed (%s)", err)
+
     def close(self) -> None:
         self._guarded("finish", lambda: self.run.finish())
 

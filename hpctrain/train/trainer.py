@@ -49,6 +49,7 @@ from hpctrain.train.outputs import (
 from hpctrain.train.phases import build_note, first_step_note
 from hpctrain.train.setup import build_parallel_state
 from hpctrain.train.source_loss import train_loss_hooks
+from hpctrain.train.straggler_watch import StragglerWatch
 from hpctrain.train.tensor_parallel import take_comm_bytes, tp_step_hooks
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Trainer:
         self.checkpointer = Checkpointer(mesh, asynchronous=t.checkpoint_async,
                                          retention=Retention(t.keep, t.keep_every))
         self.exporter = Exporter(self.run_dir, every=t.export_every if mesh.is_logging_rank else 0)
+        self.stragglers = StragglerWatch(cfg, mesh, self.run_dir)
 
     def micro_batches(self, step: int) -> list:
         return self.feed.micro_batches(step + self.data_offset)[0]
@@ -249,6 +251,7 @@ class Trainer:
                 self.history.append(metrics)
                 self.steps_run += 1
                 if not self._judge(metrics, loggers):
+                    metrics.update(self.stragglers.after_step(self.step, loggers))
                     self._after_step(metrics, loggers, progress, extra)
                 if prof is not None:
                     prof.step()
@@ -378,7 +381,8 @@ class Trainer:
         self.exporter.sealed(saves)
         metrics.update(self.checkpointer.started_at(step))
         if (step % t.log_every == 0 or step in (1, t.steps) or "eval_loss" in metrics
-                or metrics["nonfinite"] or saves or "ckpt_block_s" in metrics):
+                or metrics["nonfinite"] or saves or "ckpt_block_s" in metrics
+                or "straggler_ranks" in metrics):
             loggers.log(step, {**metrics, **save_metrics(saves), **self.memory_metrics(),
                                **self.prediction.once()})
 
