@@ -35,7 +35,7 @@ from hpctrain.validate_inputs import (
     check_vocab,
 )
 from hpctrain.validate_keys import choice_problems, config_range_problems, plan_setting_problems
-from hpctrain.validate_layout import check_hsdp, check_world
+from hpctrain.validate_layout import check_elastic, check_hsdp, check_local_nodes, check_world
 from hpctrain.validate_moe import check_moe
 from hpctrain.validate_once import (
     check_eval_task,
@@ -56,14 +56,6 @@ log = logging.getLogger(__name__)
 Check = Callable[[Config], list[str]]
 
 
-def check_local_nodes(c: Config) -> list[str]:
-    cl = c.cluster
-    if cl.launcher != "local" or cl.nodes == 1:
-        return []
-    return [f"cluster.launcher=local runs on one node but cluster.nodes={cl.nodes}: set "
-            "cluster.nodes=1, or use cluster=slurm for several nodes"]
-
-
 def check_signal_delay(c: Config) -> list[str]:
     """Slurm sends its warning signal (save, then requeue) signal_delay_s before the limit."""
     cl = c.cluster
@@ -72,20 +64,6 @@ def check_signal_delay(c: Config) -> list[str]:
     return [f"cluster.signal_delay_s={cl.signal_delay_s} is not below cluster.time_min="
             f"{cl.time_min} minutes = {cl.time_min * 60} s: lower cluster.signal_delay_s or "
             f"raise cluster.time_min to {cl.signal_delay_s // 60 + 1} or more"]
-
-
-def check_elastic(c: Config) -> list[str]:
-    """An elastic job runs on min_nodes..nodes nodes of a Slurm cluster."""
-    cl = c.cluster
-    if not cl.elastic:
-        return []
-    if cl.launcher != "slurm":
-        return [f"cluster.elastic=true needs a Slurm cluster (cluster={cl.name} launches "
-                "locally): use cluster=slurm or a site preset, or set cluster.elastic=false"]
-    if cl.min_nodes > cl.nodes:
-        return [f"cluster.min_nodes={cl.min_nodes} exceeds cluster.nodes={cl.nodes}, the most "
-                f"an elastic job runs on: set cluster.min_nodes between 1 and {cl.nodes}"]
-    return []
 
 
 def check_optim(c: Config) -> list[str]:

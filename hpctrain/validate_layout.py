@@ -1,6 +1,6 @@
-"""Checks of the layout's degrees: that they fill the job's ranks (`check_world`), and how the
-data-parallel axis is factored (HSDP: `parallel.dp_replicate`, `parallel.dp_shard`), each
-naming the fix.
+"""Checks of the layout's degrees: that they fill the job's ranks (`check_world`), how the
+data-parallel axis is factored (HSDP: `parallel.dp_replicate`, `parallel.dp_shard`), and the
+nodes they run on (one for a local launch; an elastic Slurm job's range), each naming the fix.
 
 dp = dp_replicate × dp_shard (hpctrain.distributed.dims): ZeRO shards over the dp_shard × cp
 ranks of one replica, which are consecutive (shard index fastest after cp and tp), and the
@@ -64,3 +64,25 @@ def check_hsdp(c: Config) -> list[str]:
                     f"collectives would cross the network): choose parallel.dp_replicate among "
                     f"{fits}")
     return errs
+
+
+def check_elastic(c: Config) -> list[str]:
+    """An elastic job runs on min_nodes..nodes nodes of a Slurm cluster."""
+    cl = c.cluster
+    if not cl.elastic:
+        return []
+    if cl.launcher != "slurm":
+        return [f"cluster.elastic=true needs a Slurm cluster (cluster={cl.name} launches "
+                "locally): use cluster=slurm or a site preset, or set cluster.elastic=false"]
+    if cl.min_nodes > cl.nodes:
+        return [f"cluster.min_nodes={cl.min_nodes} exceeds cluster.nodes={cl.nodes}, the most "
+                f"an elastic job runs on: set cluster.min_nodes between 1 and {cl.nodes}"]
+    return []
+
+
+def check_local_nodes(c: Config) -> list[str]:
+    cl = c.cluster
+    if cl.launcher != "local" or cl.nodes == 1:
+        return []
+    return [f"cluster.launcher=local runs on one node but cluster.nodes={cl.nodes}: set "
+            "cluster.nodes=1, or use cluster=slurm for several nodes"]

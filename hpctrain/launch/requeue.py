@@ -127,16 +127,19 @@ def end_step() -> None:
                    timeout=SCONTROL_S, check=False)
 
 
-def configured(cfg: Config) -> list[str]:
-    """The nodes cluster.exclude names."""
-    return [n for n in (cfg.cluster.exclude or "").split(",") if n]
-
-
 def job_size(cfg: Config, most_nodes: int) -> dict[str, object]:
     """`requeue_script`'s size arguments: an elastic job's node range and fewest tasks."""
     c = cfg.cluster
     return ({"node_range": f"{c.min_nodes}-{most_nodes}",
              "min_tasks": c.min_nodes * c.procs_per_node} if c.elastic else {})
+
+
+def exclusions(cfg: Config) -> list[str]:
+    """Every node the job must leave out: cluster.exclude's, every fault's so far, and the
+    stragglers recorded with cluster.exclude_stragglers."""
+    given = [n for n in (cfg.cluster.exclude or "").split(",") if n]
+    return sorted({*given, *restarts.excluded(cfg.run_dir),
+                   *stragglers.excluded(cfg.run_dir)})
 
 
 def leave_excluded(cfg: Config, *, job_id: str, nodelist: str, most_nodes: int) -> bool:
@@ -147,7 +150,7 @@ def leave_excluded(cfg: Config, *, job_id: str, nodelist: str, most_nodes: int) 
     here = sorted(set(hostnames(nodelist)) & set(excluded)) if excluded else []
     if not here:
         return False
-    all_excluded = sorted({*excluded, *configured(cfg), *stragglers.excluded(cfg.run_dir)})
+    all_excluded = exclusions(cfg)
     log.warning("job %s started on %s, excluded after an earlier fault: requeueing it "
                 "without %s", job_id, ",".join(here), ",".join(all_excluded))
     run_detached(requeue_script(job_id, all_excluded, **job_size(cfg, most_nodes)),
@@ -163,8 +166,7 @@ class Requeue:
         """`cfg` as this start runs it; `most_nodes`: the configured cluster.nodes (an elastic
         start may run fewer)."""
         self.run_dir, self.job_id = Path(cfg.run_dir), job_id
-        self.max_restarts = cfg.cluster.max_restarts
-        self.configured = configured(cfg)
+        self.cfg, self.max_restarts = cfg, cfg.cluster.max_restarts
         self.nodelist_at_start, self.layout = nodelist_at_start, layout
         self.world = cfg.cluster.world_size
         self.size = job_size(cfg, most_nodes)
@@ -203,8 +205,7 @@ class Requeue:
                     "its newest checkpoint)")
         restarts.record_fault(self.run_dir, cause=cause, nodes=nodes, step=fault.step,
                               world=self.world, layout=self.layout, job_id=self.job_id)
-        exclude = sorted({*self.configured, *restarts.excluded(self.run_dir),
-                          *stragglers.excluded(self.run_dir)})
+        exclude = exclusions(self.cfg)
         log.warning("%s (%s): requeueing job %s without %s, restart %d of at most %d",
                     cause, ",".join(nodes) or "no node named", self.job_id,
                     ",".join(exclude) or "any node", len(earlier) + 1, self.max_restarts)

@@ -10,11 +10,15 @@ line says from what to what.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from hpctrain.config import OptimConfig
+from hpctrain.distributed import restarts
 from hpctrain.train.optim import lr_at
+
+log = logging.getLogger(__name__)
 
 TOTAL_FREE = ("constant", "inv_sqrt")  # schedules that do not read train.steps
 
@@ -58,3 +62,19 @@ def schedule_change(optim: OptimConfig, *, step: int, saved_steps: int | None,
             f"{step}: the {optim.lr_schedule} LR schedule now runs to step {steps}, so the LR "
             f"of step {step + 1} is {new:.4g} instead of {old:.4g}, reaching {optim.min_lr:.4g} "
             f"at step {steps}")
+
+
+def record_restart(run_dir: Path, *, step: int, world: int, layout: str, loggers) -> None:
+    """After a fault's requeue (hpctrain.launch.requeue): complete its restart record with the
+    step resumed and this start's world, and log it (restarts.jsonl, metrics, W&B)."""
+    record = restarts.complete(run_dir, resumed_step=step, world=world, layout=layout)
+    if record is None:
+        return
+    count = len(restarts.history(run_dir))
+    log.warning("restart %d after %s (excluded %s): resumed at step %d, %s steps lost, world "
+                "%d -> %d, layout %s -> %s", count, record["cause"],
+                ",".join(record["nodes"]) or "no node", step, record["steps_lost"],
+                record["world_before"], record["world_after"], record["layout_before"],
+                record["layout_after"])
+    loggers.log(step, {"restarts": count, "restart_steps_lost": record["steps_lost"],
+                       "restart_world": record["world_after"], "restart_cause": record["cause"]})

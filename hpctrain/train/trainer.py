@@ -19,7 +19,6 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.data.prepare import prepare
-from hpctrain.distributed import restarts
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.activations import ActivationMeter
@@ -236,7 +235,9 @@ class Trainer:
         loggers, progress = (make_loggers(self.cfg, run_dir=self.run_dir, start_step=self.step)
                              if logging_rank else (None, None))
         if logging_rank:
-            self._record_restart(loggers)
+            continuation.record_restart(self.run_dir, step=self.step, loggers=loggers,
+                                        world=self.mesh.dims.world_size,
+                                        layout=self.cfg.layout_label)
         reset_peak_memory(self.mesh.device)
         if logging_rank:
             log.info("%s", first_step_note(self.cfg, device_type=self.mesh.device.type,
@@ -269,23 +270,6 @@ class Trainer:
             extra.update(self.exporter.close())
         extra.update(self.checkpointer.summary())
         return self._finish(loggers, extra) if logging_rank else {}
-
-    def _record_restart(self, loggers) -> None:
-        """After a fault's requeue (hpctrain.launch.requeue): complete its restart record with
-        the step resumed and this start's world, and log it (restarts.jsonl, metrics, W&B)."""
-        record = restarts.complete(self.run_dir, resumed_step=self.step,
-                                   world=self.mesh.dims.world_size, layout=self.cfg.layout_label)
-        if record is None:
-            return
-        count = len(restarts.history(self.run_dir))
-        log.warning("restart %d after %s (excluded %s): resumed at step %d, %s steps lost, "
-                    "world %d -> %d, layout %s -> %s", count, record["cause"],
-                    ",".join(record["nodes"]) or "no node", self.step, record["steps_lost"],
-                    record["world_before"], record["world_after"], record["layout_before"],
-                    record["layout_after"])
-        loggers.log(self.step, {"restarts": count, "restart_steps_lost": record["steps_lost"],
-                                "restart_world": record["world_after"],
-                                "restart_cause": record["cause"]})
 
     def _already_complete(self) -> dict[str, Any]:
         """A re-run of a finished run: nothing trained, saved or rewritten; the logging rank

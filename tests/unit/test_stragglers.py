@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpctrain.distributed import stragglers
+from tests.conftest import make_config
 
 
 def test_the_rank_over_the_median_by_the_threshold_is_named():
@@ -38,3 +41,13 @@ def test_recorded_hosts_accumulate(tmp_path):
     stragglers.record(tmp_path, ["n3"])
     stragglers.record(tmp_path, ["n1", "n3"])
     assert stragglers.excluded(tmp_path) == ["n1", "n3"]
+
+
+@pytest.mark.parametrize("override, said", [
+    ("cluster.straggler_window=-1", "must be ≥ 0"),
+    ("cluster.straggler_threshold=0", "must be > 0"),
+    ("cluster.exclude_stragglers=maybe", "should be bool"),
+])
+def test_bad_straggler_keys_are_refused_naming_the_fix(override, said):
+    with pytest.raises(ValueError, match=said):
+        make_config([override])
