@@ -4,14 +4,15 @@ The zigzag layout (hpctrain.parallel.context.shard) cuts every row into 2·cp eq
 the sequence length must divide by 2·cp. Activation checkpointing composes with cp (full
 reruns the ring in backward, selective leaves ring attention alone: models/checkpointing.py),
 and so does train.compile (dynamo breaks the graph at the ring's exchanges: models/compile.py).
-Each backend's own kernels run the ring's blocks (parallel/context/backends.py); flash, which
-cannot, is refused here with the reason, never run silently with the eager math.
+Each backend's own kernels run the ring's blocks (parallel/context/backends.py), never the eager
+math behind the user's back; flash's block needs a flash-attn whose private entry points
+hpctrain knows (checked here).
 """
 
 from __future__ import annotations
 
 from hpctrain.config import Config
-from hpctrain.parallel.context.backends import BLOCK_BACKENDS
+from hpctrain.parallel.context.flash_block import version_problem
 
 
 def check_cp(c: Config) -> list[str]:
@@ -26,12 +27,6 @@ def check_cp(c: Config) -> list[str]:
         errs.append(f"train.seq_len={L} is not divisible by 2 × parallel.cp={p.cp} = {2 * p.cp}"
                     f" (the zigzag layout cuts each row into 2·cp chunks): choose a seq_len "
                     f"that is a multiple of {2 * p.cp} (e.g. {near}), or parallel.cp in {ok}")
-    if c.model.attention not in BLOCK_BACKENDS:
-        errs.append(f"model.attention={c.model.attention} with parallel.cp={p.cp} is refused: "
-                    "ring attention runs each block's backward against the row's final "
-                    "log-sum-exp, which flash-attn takes only through private functions whose "
-                    "signatures change between its releases (its public functions return an "
-                    "lse that carries no gradient), and running the eager math instead would "
-                    "store every block's scores: use model.attention=flex or triton (their "
-                    "kernels run inside the ring), or sdpa")
+    if c.model.attention == "flash" and (problem := version_problem()):
+        errs.append(problem)
     return errs

@@ -86,13 +86,42 @@ def test_flex_ring_blocks_on_cuda_follow_the_eager_blocks():
     from hpctrain.parallel.context.flex_block import flex_block_backward, flex_block_forward
     from tests.parallel.cp_helpers import ring_blocks
 
-    for block, q, k, v, do, lse, d in ring_blocks(C=128):
+    for block, *tensors in ring_blocks(C=128):
         on = Block(block.ids_q_BC.cuda(), block.ids_k_BC.cuda(), block.diagonal)
-        cast = [x.cuda().float() for x in (q, k, v, do, lse, d)]
+        cast = [x.cuda().float() for x in tensors]
         o, lse_b = flex_block_forward(*cast[:3], on)
-        o1, lse1 = block_forward(q, k, v, block)
+        o1, lse1 = block_forward(*tensors[:3], block)
         torch.testing.assert_close(o.double().cpu(), o1, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lse_b.double().cpu(), lse1, rtol=1e-4, atol=1e-4)
         got = flex_block_backward(*cast[:3], on, *cast[3:])
-        for g, w in zip(got, block_backward(q, k, v, block, do, lse, d), strict=True):
+        want = block_backward(*tensors[:3], block, *tensors[3:])
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.double().cpu(), w, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("flash_attn"), reason="needs flash-attn")
+def test_flash_ring_blocks_on_cuda_follow_the_eager_blocks():
+    """Under cp, model.attention=flash runs each ring block through flash-attn's varlen kernels
+    (parallel/context/flash_block.py): in bf16 on every block of random packings (documents,
+    GQA, empty rows), forward and backward against the row's final O and lse, its error to the
+    fp64 eager block stays within 2× (+1e-3) of the eager block's own on the same bf16 inputs."""
+    from hpctrain.parallel.context.blocks import Block, block_backward, block_forward
+    from hpctrain.parallel.context.flash_block import flash_block_backward, flash_block_forward
+    from tests.parallel.cp_helpers import ring_blocks
+
+    for block, *tensors in ring_blocks(C=128):
+        on = Block(block.ids_q_BC.cuda(), block.ids_k_BC.cuda(), block.diagonal)
+        bf16 = [x.cuda().bfloat16() for x in tensors[:5]]  # q, k, v, dO, O
+        bf16 += [tensors[5].cuda().float(), (bf16[3].float() * bf16[4].float()).sum(-1)]
+        want = [*block_forward(*tensors[:3], block), *block_backward(*tensors[:3], block,
+                                                                     *tensors[3:])]
+        eager = [*block_forward(*bf16[:3], on), *block_backward(*bf16[:3], on, *bf16[3:])]
+        got = [*flash_block_forward(*bf16[:3], on), *flash_block_backward(*bf16[:3], on,
+                                                                          *bf16[3:])]
+        for name, g, e, w in zip(["o", "lse", "dq", "dk", "dv"], got, eager, want, strict=True):
+            assert g.shape == w.shape, name
+            finite = w.isfinite()
+            assert torch.equal(g.isfinite().cpu(), finite), name  # −inf lse on the same rows
+            err = (g.double().cpu() - w)[finite].abs().max().item()  # e: rounded as g is
+            bound = 2 * (e.to(g.dtype).double().cpu() - w)[finite].abs().max().item() + 1e-3
+            assert err <= bound, (name, err, bound)

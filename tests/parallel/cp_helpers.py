@@ -148,7 +148,8 @@ def cp_triton_equals_single(documents: bool) -> dict:
 
 def ring_blocks(cp: int = 2, C: int = 8, seed: int = 0):
     """Every non-empty block of every rank of random packings (three rows: one long document,
-    a few, many), as (Block, q, k, v, dO, lse, D) in fp64 with GQA (4 query, 2 kv heads)."""
+    a few, many), as (Block, q, k, v, dO, O, lse, D) in fp64 with GQA (4 query, 2 kv heads); O
+    and lse stand for the row's final ones, D = rowsum(dO ⊙ O)."""
     gen = torch.Generator().manual_seed(seed)
     L = 2 * cp * C
     starts = torch.rand(3, L, generator=gen) < torch.tensor([[0.0], [0.1], [0.4]])
@@ -161,10 +162,9 @@ def ring_blocks(cp: int = 2, C: int = 8, seed: int = 0):
                     block = block_mask(shard, kv_rank=kv_rank, x=x, y=y)
                     if block is None:
                         continue
-                    q, do = (torch.randn(3, 4, C, 8, generator=gen, dtype=torch.float64)
-                             for _ in range(2))
+                    q, do, o = (torch.randn(3, 4, C, 8, generator=gen, dtype=torch.float64)
+                                for _ in range(3))
                     k, v = (torch.randn(3, 2, C, 8, generator=gen, dtype=torch.float64)
                             for _ in range(2))
                     lse = torch.randn(3, 4, C, generator=gen, dtype=torch.float64).abs() + 3
-                    d = torch.randn(3, 4, C, generator=gen, dtype=torch.float64)
-                    yield block, q, k, v, do, lse, d
+                    yield block, q, k, v, do, o, lse, (do * o).sum(-1)

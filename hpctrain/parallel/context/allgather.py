@@ -56,11 +56,11 @@ class _AllGatherAttention(torch.autograd.Function):
         q_BNSH, kv_2BKSH, o_BNSH, lse_BNS = ctx.saved_tensors
         comm = ctx.comm
         every = _gather(kv_2BKSH, comm)
-        q, do, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
+        q, do, o, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
         d_every = torch.zeros_like(every)
         for src in range(comm.size):
-            attend_backward(dq, d_every[src], q, every[src], do, lse, d, src=src, docs=ctx.docs,
-                            comm=comm)
+            attend_backward(dq, d_every[src], q, every[src], do, o, lse, d, src=src,
+                            docs=ctx.docs, comm=comm)
         dkv_2BKSH = torch.empty_like(kv_2BKSH)
         work = dist.reduce_scatter_single(dkv_2BKSH, d_every.flatten(0, 1), group=comm.group,
                                           async_op=True)

@@ -1,15 +1,19 @@
 """The per-block math of ring and all-gather attention for each `model.attention` backend.
 
 A block function pair is (forward(q, k, v, block) → (o, lse), backward(q, k, v, block, dO,
-lse, D) → (dq, dk, dv)), with `block` a blocks.Block. `eager` uses the eager math of
-blocks.py; `sdpa` torch's fused CPU forward (sdpa_lse.py) with the eager backward; `triton`
-hpctrain's FlashAttention-2 kernels in both directions (ops/triton_attention_block.py), which
-build each block's mask from the chunks' document ids inside their tiles and never hold a C×C
-score matrix or mask (ring.block_mask skips empty blocks from the chunk indices and document
-boundaries; only the eager and sdpa math form Block.mask_BCC); `flex` torch's flex_attention
-with a BlockMask per block and the log-sum-exp it returns, its backward through flex's own
-(flex_block.py). `flash` has no block form: refused under cp (BLOCK_BACKENDS,
-hpctrain.validate_cp says why).
+O, lse, D) → (dq, dk, dv)), with `block` a blocks.Block and O, lse, D the row's final ones.
+- `eager`: the eager math of blocks.py (the reference; it forms Block.mask_BCC).
+- `sdpa`: torch's fused CPU forward (sdpa_lse.py; on other devices the eager one), the eager
+  backward.
+- `triton`: hpctrain's FlashAttention-2 kernels in both directions
+  (ops/triton_attention_block.py), which build each block's mask from the chunks' document ids
+  inside their tiles and never hold a C×C score matrix or mask.
+- `flex`: torch's flex_attention with a BlockMask per block and the log-sum-exp it returns, its
+  backward through flex's own (flex_block.py).
+- `flash`: flash-attn's variable-length kernels over segments from the document ids, the
+  backward against the row's final O and lse (flash_block.py; CUDA, and a flash-attn whose
+  private entry points hpctrain knows: hpctrain.validate_cp checks before launch).
+ring.block_mask skips empty blocks from the chunk indices and document boundaries alone.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from hpctrain.ops.triton_attention_block import triton_block_backward, triton_block_forward
 from hpctrain.parallel.context.blocks import Block, block_backward, block_forward
+from hpctrain.parallel.context.flash_block import flash_block_backward, flash_block_forward
 from hpctrain.parallel.context.flex_block import flex_block_backward, flex_block_forward
 from hpctrain.parallel.context.sdpa_lse import sdpa_block_forward
 
@@ -38,7 +43,7 @@ def triton_forward(q_BNCH, k_BKCH, v_BKCH, block: Block):
     return triton_block_forward(q_BNCH, k_BKCH, v_BKCH, **_kernel_ids(block))
 
 
-def triton_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BNC):
+def triton_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, o_BNCH, lse_BNC, d_BNC):
     """(dq_BNCH, dk_BKCH, dv_BKCH) of `block` by hpctrain's Triton backward kernels."""
     return triton_block_backward(q_BNCH, k_BKCH, v_BKCH, do_BNCH, lse_BNC, d_BNC,
                                  **_kernel_ids(block))
@@ -47,18 +52,21 @@ def triton_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BN
 BlockFns = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], Callable[..., tuple]]
 
 
-# Backends whose own math runs each block of the ring (eager's is the reference). flash has
-# no block form: hpctrain.validate_cp refuses it under cp instead of running the eager math
-# behind the user's back (it stores each block's C×C scores).
-BLOCK_BACKENDS = ("eager", "sdpa", "triton", "flex")
+# Every model.attention backend's own math per block of the ring (eager's is the reference):
+# none runs the eager math behind the user's back, which would store each block's C×C scores
+# (tests/unit/test_cp_layout.py checks that every backend has its entry).
+BLOCK_FUNCTIONS: dict[str, BlockFns] = {
+    "eager": (block_forward, block_backward),
+    "sdpa": (sdpa_block_forward, block_backward),
+    "triton": (triton_forward, triton_backward),
+    "flex": (flex_block_forward, flex_block_backward),
+    "flash": (flash_block_forward, flash_block_backward),
+}
 
 
 def block_functions(backend: str) -> BlockFns:
     """(forward, backward) per block for `model.attention=backend`."""
-    if backend == "triton":
-        return triton_forward, triton_backward
-    if backend == "sdpa":
-        return sdpa_block_forward, block_backward
-    if backend == "flex":
-        return flex_block_forward, flex_block_backward
-    return block_forward, block_backward
+    if backend not in BLOCK_FUNCTIONS:
+        raise ValueError(f"model.attention={backend!r} has no block functions for ring attention;"
+                         f" under parallel.cp use one of {', '.join(BLOCK_FUNCTIONS)}")
+    return BLOCK_FUNCTIONS[backend]

@@ -15,6 +15,8 @@ hpctrain's kernels (ops/triton_attention_block.py); context/backends.py picks th
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,6 +42,28 @@ class Block:
             mask_BCC = mask_BCC & torch.ones(C, C, dtype=torch.bool,
                                              device=mask_BCC.device).tril()
         return mask_BCC
+
+
+class BlockCache:
+    """What `build` derives from a block's document ids (a flex BlockMask, flash-attn's
+    segments), built once per micro-batch and reused by every layer and the backward. Keyed by
+    the ids' memory; the cache holds the ids, so that memory cannot be reused by other ids while
+    their entry lives. A rank's micro-batch has 4·cp blocks (two query chunks × 2·cp key chunks)."""
+
+    def __init__(self, build: Callable[[Block], object], size: int = 64):
+        self.build, self.size = build, size
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, block: Block):
+        ids_q, ids_k = block.ids_q_BC, block.ids_k_BC
+        key = (ids_q.data_ptr(), ids_k.data_ptr(), ids_q.shape, ids_q.stride(), ids_k.stride(),
+               str(ids_q.device), block.diagonal)
+        if key not in self.entries:
+            self.entries[key] = (ids_q, ids_k, self.build(block))
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        return self.entries[key][2]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,8 +109,9 @@ def merge(o_BNCH, lse_BNC, o2_BNCH, lse2_BNC):
     return o_BNCH * w_BNC[..., None] + o2_BNCH * w2_BNC[..., None], lse
 
 
-def block_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BNC):
-    """(dq_BNCH, dk_BKCH, dv_BKCH) of one block given the final lse and D of its rows."""
+def block_backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, o_BNCH, lse_BNC, d_BNC):
+    """(dq_BNCH, dk_BKCH, dv_BKCH) of one block given the final lse and D of its rows (their
+    final O, which a kernel that forms D itself reads, is not needed here)."""
     q_BNCH, k_BKCH, v_BKCH, do_BNCH = _up(q_BNCH, k_BKCH, v_BKCH, do_BNCH)
     N, K = q_BNCH.shape[1], k_BKCH.shape[1]
     p_BNCC = torch.exp(_scores(q_BNCH, k_BKCH, block.mask_BCC) - lse_BNC[..., None])

@@ -5,7 +5,7 @@ Legend: B batch, N query heads, K kv heads, C chunk length, H head dim.
 Forward: flex_attention with a BlockMask built from the block's document ids (same document,
 and causal on the diagonal block), so its kernel skips every tile with no visible key and
 never holds a C×C score matrix; a block of one document needs no ids (causal, or no mask).
-The BlockMask of a block is reused by every layer of the micro-batch (`_masks`).
+The BlockMask of a block is reused by every layer of the micro-batch (blocks.BlockCache).
 
 Backward, given the row's final lse and D = rowsum(dO ⊙ O): the block's output enters the
 merged O with weight w = exp(lse_b − lse), and its lse_b through that weight, so
@@ -20,7 +20,6 @@ is refused there before launch; its forward runs everywhere (evaluation under cp
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -28,10 +27,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 from torch.nn.attention.flex_attention import flex_attention as _flex
 
 from hpctrain.ops.attention_flex import COMPILED_DTYPES, _compiled_flex
-from hpctrain.parallel.context.blocks import Block, compute_dtype
-
-_CACHE_SIZE = 64  # BlockMasks kept: a micro-batch has at most 4·cp² blocks
-_masks: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, BlockMask | None]] = OrderedDict()
+from hpctrain.parallel.context.blocks import Block, BlockCache, compute_dtype
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -54,18 +50,7 @@ def _build(block: Block) -> BlockMask | None:
     return create_block_mask(mask, B, None, C, C, device=str(ids_q.device))
 
 
-def block_mask_of(block: Block) -> BlockMask | None:
-    """The BlockMask of `block` (None: every key visible), cached by the ids' memory: the
-    cache holds the ids, so their memory cannot be reused by other ids while it is cached."""
-    ids_q, ids_k = block.ids_q_BC, block.ids_k_BC
-    key = (ids_q.data_ptr(), ids_k.data_ptr(), ids_q.shape, ids_q.stride(), ids_k.stride(),
-           str(ids_q.device), block.diagonal)
-    if key not in _masks:
-        _masks[key] = (ids_q, ids_k, _build(block))
-        if len(_masks) > _CACHE_SIZE:
-            _masks.popitem(last=False)
-    _masks.move_to_end(key)
-    return _masks[key][2]
+block_mask_of = BlockCache(_build).get  # the BlockMask of a block (None: every key visible)
 
 
 def flex_block_forward(q_BNCH, k_BKCH, v_BKCH, block: Block):
@@ -86,7 +71,7 @@ def autograd_block_backward(forward: Callable) -> Callable:
     """A block backward (q, k, v, block, dO, lse, D) → (dq, dk, dv) from a differentiable block
     forward, by the chain rule of the module docstring."""
 
-    def backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, lse_BNC, d_BNC):
+    def backward(q_BNCH, k_BKCH, v_BKCH, block: Block, do_BNCH, o_BNCH, lse_BNC, d_BNC):
         with torch.enable_grad():
             inputs = [x.detach().requires_grad_() for x in (q_BNCH, k_BKCH, v_BKCH)]
             o_BNCH, lse_b_BNC = forward(*inputs, block)

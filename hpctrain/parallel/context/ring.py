@@ -113,7 +113,7 @@ def attend(acc: list, q: tuple, kv_2BKSH, *, src: int, docs: ShardDocuments, com
             acc[x] = part if acc[x] is None else merge(*acc[x], *part)
 
 
-def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
+def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, o, lse, d, *, src: int,
                     docs: ShardDocuments, comm: RingComm) -> None:
     """Accumulate into dq (per query chunk) and `dkv_2BKSH` (of `src`'s shard) the gradients
     of the blocks `attend` computed against `src`'s key/value shard."""
@@ -124,7 +124,7 @@ def attend_backward(dq: list, dkv_2BKSH, q, kv_2BKSH, do, lse, d, *, src: int,
             block = block_mask(docs, kv_rank=src, x=x, y=y)
             if block is None:
                 continue
-            gq, gk, gv = comm.block_backward(q[x], k[y], v[y], block, do[x], lse[x], d[x])
+            gq, gk, gv = comm.block_backward(q[x], k[y], v[y], block, do[x], o[x], lse[x], d[x])
             dq[x] += gq
             dk[y].add_(gk)
             dv[y].add_(gv)
@@ -140,13 +140,13 @@ def output(acc: list, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS):
-    """Per query chunk: q, dO, lse, D = rowsum(dO ⊙ O) (in the compute dtype) and the dq
+    """Per query chunk: q, dO, O, lse, D = rowsum(dO ⊙ O) (in the compute dtype) and the dq
     accumulators (compute dtype: each block's dq adds without rounding to bf16)."""
     acc = compute_dtype(q_BNSH.dtype)
     d_BNS = (do_BNSH.to(acc) * o_BNSH.to(acc)).sum(-1)
-    q, do = _chunks(q_BNSH), _chunks(do_BNSH.contiguous())
+    q, do, o = _chunks(q_BNSH), _chunks(do_BNSH.contiguous()), _chunks(o_BNSH)
     dq = [torch.zeros_like(q[0], dtype=acc), torch.zeros_like(q[1], dtype=acc)]
-    return q, do, lse_BNS.chunk(2, -1), d_BNS.chunk(2, -1), dq
+    return q, do, o, lse_BNS.chunk(2, -1), d_BNS.chunk(2, -1), dq
 
 
 def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
@@ -165,12 +165,13 @@ def _forward(q_BNSH, kv_2BKSH, docs: ShardDocuments, comm: RingComm):
 def _backward(do_BNSH, q_BNSH, kv_2BKSH, o_BNSH, lse_BNS, docs, comm: RingComm):
     """(dq_BNSH, dk_BKSH, dv_BKSH): dk/dv accumulators travel with their key/value shard, in
     its dtype (the bytes of ring_bytes)."""
-    q, do, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
+    q, do, o, lse, d, dq = backward_inputs(do_BNSH, q_BNSH, o_BNSH, lse_BNS)
     dkv_2BKSH = torch.zeros_like(kv_2BKSH)
     for step in range(comm.size):
         src = (comm.rank - step) % comm.size
         pending = comm.shift(kv_2BKSH, tag=BACKWARD_KV_TAG) if step < comm.size - 1 else None
-        attend_backward(dq, dkv_2BKSH, q, kv_2BKSH, do, lse, d, src=src, docs=docs, comm=comm)
+        attend_backward(dq, dkv_2BKSH, q, kv_2BKSH, do, o, lse, d, src=src, docs=docs,
+                        comm=comm)
         dkv_2BKSH = comm.shift(dkv_2BKSH, tag=BACKWARD_GRAD_TAG)() if comm.size > 1 else dkv_2BKSH
         if pending is not None:
             kv_2BKSH = pending()
