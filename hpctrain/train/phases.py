@@ -17,7 +17,21 @@ def build_note(cfg: Config, *, device_type: str) -> str:
             f"fp32 weights, gradients and Adam moments before sharding) on {device_type}")
     if device_type == "cpu" and n > BIG_MODEL_PARAMS:
         line += ": this can take minutes on a CPU"
-    return line
+    return line + eager_blocks_note(cfg, device_type=device_type)
+
+
+def eager_blocks_note(cfg: Config, *, device_type: str) -> str:
+    """Under cp on an accelerator, what the eager and sdpa blocks of ring attention cost: they
+    form each block's scores (no fused kernel of theirs returns the lse a block needs)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp <= 1 or device_type == "cpu" or m.attention not in ("eager", "sdpa"):
+        return ""
+    C = t.seq_len // (2 * p.cp)
+    scores_gb = t.micro_batch_size * (m.n_heads // p.tp) * C * C * 4 / 1e9
+    return (f"; under parallel.cp={p.cp} model.attention={m.attention} runs each ring block's "
+            f"eager math on {device_type}, forming its fp32 scores ({scores_gb:.3g} GB per "
+            f"block at {C} tokens a chunk): model.attention=flash, flex or triton keep them on "
+            "chip")
 
 
 def first_step_note(cfg: Config, *, device_type: str, start: int) -> str:

@@ -3,6 +3,8 @@ what to expect; training.png's throughput axis starts at 0."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hpctrain.train.phases import build_note, first_step_note
 from tests.conftest import make_config
 
@@ -19,6 +21,23 @@ def test_slow_first_steps_are_announced(tmp_path):
     assert "GB of fp32 weights" in build_note(big, device_type="cuda")
     assert first_step_note(make_config(["model=debug", "train=debug"], run_dir=tmp_path),
                            device_type="cpu", start=0) == "training steps 1..10 of train.steps=10"
+
+
+def test_eager_ring_blocks_on_an_accelerator_are_announced(tmp_path):
+    """Under cp the eager and sdpa blocks form each block's scores on a GPU: the build line
+    says so with their size and the backends that keep them on chip; nothing on a CPU or with
+    a fused block backend."""
+    over = ["model=debug", "train=debug", "parallel=cp2", "cluster.procs_per_node=2"]
+    cfg = make_config(over, run_dir=tmp_path)  # seq_len 64: chunks of 16, 4 heads, 2 rows
+    note = build_note(cfg, device_type="cuda")
+    assert ("; under parallel.cp=2 model.attention=sdpa runs each ring block's eager math on "
+            "cuda, forming its fp32 scores") in note
+    expected_gb = cfg.train.micro_batch_size * cfg.model.n_heads * 16 * 16 * 4 / 1e9
+    assert f"({expected_gb:.3g} GB per block at 16 tokens a chunk)" in note
+    assert "parallel.cp" not in build_note(cfg, device_type="cpu")
+    for fused in ("flash", "flex", "triton"):  # not validated: each needs its own device here
+        other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=fused))
+        assert "parallel.cp" not in build_note(other, device_type="cuda")
 
 
 def test_throughput_axis_starts_at_zero():
