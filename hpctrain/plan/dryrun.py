@@ -12,7 +12,10 @@ plan.headroom). A term off by more than `dryrun.tolerance` is a planner or a cod
 Outputs in the run dir: dryrun.json (per rank: rank, coords, the measured *_bytes,
 `predicted` with the same keys, the seconds its set-up took) and dryrun.md (the tables).
 Mixture-of-experts models route at the planner's stated bound (meta tensors make no routing
-choice: `hpctrain.models.moe.bound_routing`), so their routed terms are the bound's.
+choice: `hpctrain.models.moe.bound_routing`), so their routed terms are the bound's. The fused
+attention backends whose kernels need a device (flash, flex, triton) are set up as sdpa: every
+fused backend saves the same query, key, value, output and log-sum-exp for backward
+(plan.memory.FUSED_ATTENTION), and the report says so (`on_meta`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.comm_volume import Volume, step_volumes
 from hpctrain.plan.dryrun_comm import comm_rows
 from hpctrain.plan.dryrun_config import chosen_ranks, dryrun_settings
-from hpctrain.plan.memory import fp8_buffer_bytes
+from hpctrain.plan.memory import FUSED_ATTENTION, fp8_buffer_bytes
 from hpctrain.plan.predict import step_shape
 from hpctrain.plan.rank_memory import engine_states, rank_activations, rank_checkpoint_bytes
 from hpctrain.plan.search import GIB
@@ -69,6 +72,18 @@ def predicted_comm(cfg: Config, rank: int) -> dict[str, Volume]:
                         pp_rank=cfg.parallel.dims.coords(rank)["pp"])
 
 
+def on_meta(cfg: Config) -> tuple[Config, str | None]:
+    """`cfg` as the dry run sets it up on meta tensors, and the note saying what it changed:
+    a fused attention backend whose kernels need a device runs as sdpa (the same saved
+    tensors; module docstring)."""
+    attention = cfg.model.attention
+    if attention in ("eager", "sdpa") or attention not in FUSED_ATTENTION:
+        return cfg, None
+    note = (f"model.attention={attention} is set up as sdpa on meta tensors (its kernels need "
+            "a device; every fused backend saves the same q, k, v, output and log-sum-exp)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa")), note
+
+
 def run_dryrun(cfg: Config) -> dict[str, Any]:
     """Every chosen rank measured and predicted (module docstring); writes dryrun.json and
     dryrun.md, returns {"text", "path", "fits", "ranks"}."""
@@ -77,10 +92,10 @@ def run_dryrun(cfg: Config) -> dict[str, Any]:
     settings, dims = dryrun_settings(cfg), cfg.parallel.dims
     usable = usable_bytes(cfg, planning_cluster(cfg))
     limited = memory_limit(cfg, planning_cluster(cfg)) is not None
-    rows = []
+    rows, (meta_cfg, note) = [], on_meta(cfg)
     for rank in chosen_ranks(cfg):
         t0 = time.perf_counter()
-        measured, seconds, comm = measure_rank(cfg, rank)
+        measured, seconds, comm = measure_rank(meta_cfg, rank)
         total = measured.device_total
         rows.append({"rank": rank, "coords": dims.coords(rank),
                      **{f"{k}_bytes": v for k, v in measured.as_dict().items()},
@@ -92,7 +107,7 @@ def run_dryrun(cfg: Config) -> dict[str, Any]:
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {"world_size": dims.world_size, "layout": layout_of(cfg).describe(),
-              "usable_bytes": usable if limited else None,
+              "usable_bytes": usable if limited else None, "note": note,
               "tolerance": settings.tolerance, "ranks": rows}
     (out / "dryrun.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     text = dryrun_table(report)
@@ -140,6 +155,8 @@ def dryrun_table(report: dict[str, Any]) -> str:
     tol, usable = report["tolerance"], report["usable_bytes"]
     lines = [f"dry run of {report['layout']} ({report['world_size']} ranks); usable per rank: "
              + (size_text(usable) if usable else "no limit known")]
+    if report.get("note"):
+        lines.append(report["note"])
     for row in report["ranks"]:
         coords = " ".join(f"{k}={v}" for k, v in row["coords"].items())
         lines += ["", f"rank {row['rank']} ({coords}), set up in "

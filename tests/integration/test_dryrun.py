@@ -155,3 +155,23 @@ def test_dry_run_refuses_ranks_outside_the_world_and_bad_settings(tmp_path):
     for bad in ("dryrun.tolerance=0", "dryrun.ranks=[]", "dryrun.ranks=[a]"):
         with pytest.raises(ValueError, match="dryrun.ran|dryrun.tol"):
             make_config(["task=dryrun", "model=debug", "train=debug", bad], run_dir=tmp_path)
+
+
+def test_device_only_attention_backends_are_set_up_as_sdpa_and_said(tmp_path):
+    """flash, flex and triton kernels cannot run on meta tensors (they raised: no flash_attn
+    module; flex on a meta device; .item() of a meta tensor): the dry run sets them up as sdpa,
+    whose saved tensors are theirs, and its report says so; eager and sdpa run as they are."""
+    base = ["task=dryrun", "model=debug", "train=debug", "parallel=cp2",
+            "cluster.procs_per_node=2", "cluster.device=cuda", "train.precision=bf16",
+            "dryrun.ranks=[0]"]
+    sdpa = run_dryrun(make_config(base, run_dir=tmp_path / "sdpa"))
+    assert json.loads((tmp_path / "sdpa" / "dryrun.json").read_text())["note"] is None
+    for backend in ("flash", "flex", "triton"):
+        run_dir = tmp_path / backend
+        result = run_dryrun(make_config([*base, f"model.attention={backend}"], run_dir=run_dir))
+        assert result["text"].splitlines()[1] == (
+            f"model.attention={backend} is set up as sdpa on meta tensors (its kernels need a "
+            "device; every fused backend saves the same q, k, v, output and log-sum-exp)")
+        got, want = result["ranks"][0], sdpa["ranks"][0]
+        assert {t: got[f"{t}_bytes"] for t in TERMS} == {t: want[f"{t}_bytes"] for t in TERMS}
+        assert got["predicted"] == want["predicted"]
