@@ -6,7 +6,9 @@ rows are flattened to T tokens and every document becomes one sequence of
 `flash_attn_varlen_func` (cu_seqlens from Documents.cu_seqlens), so no token sees another
 document. flash-attn does grouped-query attention itself (N a multiple of K), without copies.
 Install with `pip install hpctrain[flash]` on a CUDA machine; config validation refuses
-model.attention=flash elsewhere, with the extra and the device in the message.
+model.attention=flash elsewhere, with the extra and the device in the message. Under
+parallel.cp each ring block is one varlen call through flash-attn's private entry points
+(hpctrain.parallel.context.flash_block; the installed version is checked before launch).
 """
 
 from __future__ import annotations
