@@ -17,7 +17,7 @@ from typing import Any
 
 from hydra.errors import MissingConfigException, OverrideParseException
 
-from hpctrain.config_build import Problem, config_key, format_problems, unknown_key
+from hpctrain.config_build import Problem, config_key, format_problems, type_hints, unknown_key
 from hpctrain.schema import SCHEMAS
 from hpctrain.validate_keys import RANGES
 from hpctrain.validate_once import GENERATE_RANGES
@@ -92,7 +92,7 @@ def group_help(name: str) -> str | None:
 def _key_rows(prefix: str, cls: type, key: str) -> list[str]:
     """The help lines of `cls`'s keys under `prefix` (only `key` and what lies under it when
     given), nested dataclasses expanded key by key."""
-    hints, notes = typing.get_type_hints(cls), field_comments(cls)
+    hints, notes = type_hints(cls), field_comments(cls)
     head, _, rest = key.partition(".")
     lines = []
     for f in dataclasses.fields(cls):

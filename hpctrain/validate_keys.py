@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hpctrain.config import _GROUPS, Config, Task
-from hpctrain.config_build import Problem, choice_text, literal_choices
+from hpctrain.config_build import Problem, choice_text, literal_choices, type_hints
 from hpctrain.ops.attention import ATTENTION_BACKENDS
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 from hpctrain.plan.task import plan_settings
@@ -32,7 +32,7 @@ def literal_table() -> dict[str, tuple]:
     dataclass annotations (the one list; `config.build_checked` enforces it while parsing)."""
     table = {"task": TASKS}
     for group, cls in _GROUPS.items():
-        hints = typing.get_type_hints(cls)
+        hints = type_hints(cls)
         table.update({f"{group}.{f.name}": allowed for f in fields(cls)
                       if (allowed := literal_choices(hints[f.name])) is not None})
     return table

@@ -20,13 +20,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from hpctrain import compat
-from hpctrain.distributed.mesh import build_mesh
-from hpctrain.train.trainer import Trainer
 from tests.conftest import get_world
+from tests.parallel.compat_runs import trajectory
 from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory
 
 STEPS = 3
@@ -40,16 +37,6 @@ _SAME_MATH = ("model.moe.", "train.precision", "train.fp8", "data.packing")
 LOW_PRECISION = {"bf16": (2e-4, 1e-2), "fp8": (5e-4, 1e-2)}  # (loss, norm)
 
 
-def _trajectory(cfg, compiled: bool):
-    if compiled:  # a clean dynamo per run: graphs of earlier runs neither help nor count
-        torch._dynamo.reset()
-    mesh = build_mesh(cfg.parallel.dims, rank=dist.get_rank(), device=torch.device("cpu"))
-    trainer = Trainer(cfg, mesh)
-    trainer.run()
-    got = [(h["loss"], h["grad_norm"]) for h in trainer.history]
-    return got, trainer.compile_watch.summary() if compiled else None
-
-
 _references: dict[tuple, list] = {}
 
 
@@ -59,7 +46,7 @@ def _reference(run: tuple[str, ...], tmp_path_factory) -> list:
     if key not in _references:
         cfg = compat.config((), run_dir=str(tmp_path_factory.mktemp("single")),
                             more={**RUN, **same})
-        _references[key] = get_world(1).run(_trajectory, cfg, False)[0][0]
+        _references[key] = get_world(1).run(trajectory, cfg, False)[0][0]
     return _references[key]
 
 
@@ -72,7 +59,7 @@ RUNS = [pytest.param(run, id="+".join(run), marks=[pytest.mark.world8]
 def test_run_follows_single_process(run, tmp_path, tmp_path_factory):
     cfg = compat.config(run, run_dir=str(tmp_path), more=RUN)
     compiled = "compile" in run
-    results = get_world(cfg.parallel.world_size).run(_trajectory, cfg, compiled)
+    results = get_world(cfg.parallel.world_size).run(trajectory, cfg, compiled)
     got = logged_trajectory([trajectory for trajectory, _ in results])
     want = _reference(run, tmp_path_factory)
     low = [LOW_PRECISION[name] for name in ("fp8", "bf16") if name in run]
