@@ -77,7 +77,7 @@ def on_meta(cfg: Config) -> tuple[Config, str | None]:
     a fused attention backend whose kernels need a device runs as sdpa (the same saved
     tensors; module docstring)."""
     attention = cfg.model.attention
-    if attention in ("eager", "sdpa") or attention not in FUSED_ATTENTION:
+    if attention == "sdpa" or attention not in FUSED_ATTENTION:
         return cfg, None
     note = (f"model.attention={attention} is set up as sdpa on meta tensors (its kernels need "
             "a device; every fused backend saves the same q, k, v, output and log-sum-exp)")

@@ -2,7 +2,7 @@
 (query chunk, key chunk) block.
 
 Legend: B batch, N query heads, K kv heads, C chunk length, H head dim, T = B·C tokens, G the
-varlen segments (3 per row).
+varlen segments.
 flash-attn's public functions return a log-sum-exp without gradient, and ring attention runs
 each block's backward against the row's final lse (blocks.py). The entry points beneath them
 take it: `flash_attn_interface._wrapped_flash_attn_varlen_forward` / `…_backward`, private,
@@ -10,12 +10,13 @@ whose signatures hold from flash-attn 2.7.0 through 2.8.x (FLASH_VERSIONS; the e
 range and config validation checks the installed version before launch). They are called by
 keyword, so a renamed argument fails loudly, never silently.
 
-A block is one varlen call over segments of (query run, key run), three per row, built on the
-device from the chunks' document ids without a host sync (`segments`): on the diagonal block
-each document's run against itself (causal; the runs of a row tile it); on an earlier key
-chunk, the row's first query document against the last key document — the only one they can
-share (ids are non-decreasing along a row: ring.block_mask) — every key visible, with the keys
-before that run as a segment of no queries and the queries after it as one of no keys. So no
+A block is one varlen call over segments of (query run, key run), built on the device from the
+chunks' document ids with one host sync per block and micro-batch (`segments`): on the diagonal
+block each document's run against itself (causal; the runs of a row tile it); on an earlier key
+chunk three per row: the row's first query document against the last key document — the only
+one they can share (ids are non-decreasing along a row: ring.block_mask) — every key visible,
+with the keys before that run as a segment of no queries and the queries after it as one of no
+keys. So no
 C×C mask exists and the kernel visits only what some query sees. Rows with no keys: flash
 writes o = 0 and lse = +inf; the ring's merge takes −inf. The backward is the varlen backward
 with the row's final O and lse (its D = rowsum(dO ⊙ O), the row's own), into zeroed dq/dk/dv
