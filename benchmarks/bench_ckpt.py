@@ -31,7 +31,9 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.checkpoint import catalog, manifest  # noqa: E402
+from hpctrain.checkpoint import save_load as ckpt  # noqa: E402
+from hpctrain.config.schema import OptimConfig  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
@@ -39,8 +41,6 @@ from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
 from hpctrain.parallel.scaler import LossScaler  # noqa: E402
 from hpctrain.parallel.state import parallel_state, placements  # noqa: E402
-from hpctrain.train import checkpoint as ckpt  # noqa: E402
-from hpctrain.train import ckpt_catalog, manifest  # noqa: E402
 
 
 def _evict(directory: Path) -> None:
@@ -95,11 +95,11 @@ def _round(run_dir: Path, step: int, cfg, parallel, clock: _HashClock) -> dict[s
                      rank_state={}, model_config=cfg, keep=1)
     save_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt_catalog.verify(path)
+    catalog.verify(path)
     warm_s = time.perf_counter() - t0
     _evict(path)
     t0 = time.perf_counter()
-    verified = ckpt_catalog.verify(path)
+    verified = catalog.verify(path)
     cold_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     ckpt.load(verified, parallel=parallel, model_config=cfg)

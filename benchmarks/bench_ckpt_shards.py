@@ -68,9 +68,9 @@ LAYOUTS = {"dp4-zero3": ["parallel.dp=4", "parallel.zero=3"],
 def _config(overrides: list[str], run_dir: str, world: int):
     from hydra import compose, initialize_config_dir
 
+    from hpctrain.config.hydra_schema import register
     from hpctrain.launch import resolvers
-    from hpctrain.parse import parse
-    from hpctrain.schema import register
+    from hpctrain.tasks.configure import parse
 
     register()
     resolvers.register()
@@ -111,7 +111,7 @@ def _own_shard_bytes(trainer) -> int:
 
 
 def _save_sync(trainer, cfg, run_dir: str, step: int) -> None:
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
 
     ckpt.save(ckpt.checkpoint_dir(Path(run_dir), step), parallel=trainer.parallel,
               train_state={"step": step}, rank_state={"scaler": trainer.scaler.state_dict()},
@@ -132,7 +132,7 @@ def _memory(rank: int, world: int, args) -> dict:
     out["save_sync"] = _peak_over_start(lambda: _save_sync(trainer, cfg, run_dir, 1))
     if hasattr(trainer, "checkpointer"):
         out["save_async"] = _peak_over_start(lambda: _save_async(trainer, 2))
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
 
     path = ckpt.checkpoint_dir(Path(run_dir), 1)
     out["load"] = _peak_over_start(lambda: ckpt.load(path, parallel=trainer.parallel))
@@ -165,7 +165,7 @@ def _blocking(rank: int, world: int, args) -> dict:
 
 # -- against FSDP2 + DCP ----------------------------------------------------------------------
 def _hpctrain_io(run_dir: str, repeats: int) -> dict:
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
 
     cfg, trainer = _trainer(LAYOUTS["dp2-zero3"], run_dir)
     trainer.train_one()

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.config.schema import OptimConfig  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.distributed.teardown import close_process_groups  # noqa: E402

@@ -143,9 +143,9 @@ def transformers_side(hf_dir: str, out: str, ids: list[int], logits_path: str) -
 def _config(hf_dir: str, layout: list[str], run_dir: str, world: int):
     from hydra import compose, initialize_config_dir
 
+    from hpctrain.config.hydra_schema import register
     from hpctrain.launch import resolvers
-    from hpctrain.parse import parse
-    from hpctrain.schema import register
+    from hpctrain.tasks.configure import parse
 
     register()
     resolvers.register()
@@ -174,9 +174,9 @@ def hpctrain_import(rank: int, world: int, args) -> dict:
     """Rank side: the ParallelState, then load_hf_weights timed alone, then a checkpoint."""
     import torch.distributed as dist
 
+    from hpctrain.checkpoint import save_load as ckpt
+    from hpctrain.checkpoint.hf_import import load_hf_weights
     from hpctrain.distributed.mesh import build_mesh
-    from hpctrain.train import checkpoint as ckpt
-    from hpctrain.train.hf_import import load_hf_weights
     from hpctrain.train.setup import build_parallel_state
 
     hf_dir, layout, run_dir = args
@@ -206,9 +206,9 @@ def hpctrain_export(run_dir: str, out: str, ids: list[int], logits_path: str) ->
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from hpctrain.train.export_config import ExportConfig
-    from hpctrain.train.hf_export import export_hf
-    from hpctrain.train.one_device import load_one_device
+    from hpctrain.checkpoint.hf_export import export_hf
+    from hpctrain.checkpoint.one_device import load_one_device
+    from hpctrain.config.export import ExportConfig
 
     logging.disable_progress_bar()
     settings = ExportConfig(from_=run_dir, out=out, dtype="fp32", max_shard_mb=SHARD / 2**20)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_config, spawn  # noqa: E402
-from hpctrain.config import OptimConfig  # noqa: E402
+from hpctrain.config.schema import OptimConfig  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.metrics.activations import ActivationMeter  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.config import DataConfig
+from hpctrain.config.schema import DataConfig
 from hpctrain.data.packing import document_pieces, pack_rows
 from hpctrain.data.prepare import prepare
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from common import bench_config, median, spawn, to_nn_linear
 from sleep_stages import SleepLocal, SleepStage, mean_loss, p2p_one_way
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.distributed.mesh import own_group
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.zero import NormSpec

@@ -220,8 +220,8 @@ def _hash_ids(ids: np.ndarray) -> str:
 def hpctrain_side(paths: list[str], tok_dir: str, cache: str, workers: int,
                   shard_mb: float | None) -> dict:
     """prepare() timed, then its meta.json/manifest.json and the first documents' hash."""
-    from hpctrain.config import DataConfig
-    from hpctrain.config_build import build
+    from hpctrain.config.build import build
+    from hpctrain.config.schema import DataConfig
     from hpctrain.data.prepare import prepare
 
     values = {"source": "files", "paths": list(paths), "format": "jsonl", "tokenizer": "hf",

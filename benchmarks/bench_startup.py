@@ -22,7 +22,7 @@ import sys
 IMPORTS = {
     "torch": "import torch",
     "launcher": "import hpctrain.__main__",  # python -m hpctrain, before it starts ranks
-    "rank": "import hpctrain.tasks, hpctrain.train.trainer",  # a training rank
+    "rank": "import hpctrain.dispatch, hpctrain.train.trainer",  # a training rank
 }
 PROBE = ("import time; t0 = time.perf_counter(); {stmt}; "
          "print(time.perf_counter() - t0)")

@@ -12,12 +12,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain import cli, schema, tasks
+from hpctrain import dispatch
+from hpctrain.config import cli, hydra_schema
 from hpctrain.errors import RunStopped, end_process, storage_stop
 from hpctrain.launch import resolvers
 from hpctrain.launch.record import hydra_record
 from hpctrain.metrics.redact import Secrets, install_log_filter
-from hpctrain.parse import parse
+from hpctrain.tasks.configure import parse
 
 log = logging.getLogger("hpctrain")
 
@@ -34,7 +35,7 @@ def main(cfg: DictConfig) -> dict | None:
         record = hydra_record(cfg, secrets)  # written by the run once it owns the directory
         parsed = parse(cfg)
         with _storage_errors(parsed.data.cache_dir):
-            tasks.preflight(parsed)
+            dispatch.preflight(parsed)
     except ValueError as err:
         log.error("%s", err)
         if _in_sweep():
@@ -47,8 +48,8 @@ def main(cfg: DictConfig) -> dict | None:
         sys.exit(err.exit_code)
     try:
         with _storage_errors(parsed.run_dir):
-            result = tasks.launch(parsed, record=record)
-        shown = cli.format_result(parsed.task, result) if result else None
+            result = dispatch.launch(parsed, record=record)
+        shown = dispatch.format_result(parsed.task, result)
         if shown:  # results last, on stdout (logs are on stderr)
             print(shown, flush=True)
         return result
@@ -120,6 +121,6 @@ def _entry() -> None:
 
 if __name__ == "__main__":
     # Where Hydra is entered, not on `import hpctrain`: no process-wide side effects on import.
-    schema.register()  # every group's keys and defaults, from the dataclasses
+    hydra_schema.register()  # every group's keys and defaults, from the dataclasses
     resolvers.register()  # ${hpctrain.nodes:...} & co. in conf/cluster/slurm.yaml
     _entry()

@@ -35,8 +35,8 @@ def compose(overrides: list[str] | None = None):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from hpctrain.config.hydra_schema import register
     from hpctrain.launch import resolvers
-    from hpctrain.schema import register
 
     key = tuple(overrides or ())
     if key not in _composed:  # conf/ does not change during a session: a copy of the last one
@@ -61,7 +61,7 @@ def compose(overrides: list[str] | None = None):
 
 def make_config(overrides: list[str] | None = None, *, run_dir: Path | str = "."):
     """A parsed, validated Config (ValueError on a bad one)."""
-    from hpctrain.parse import parse
+    from hpctrain.tasks.configure import parse
 
     return parse(compose(overrides), run_dir=str(run_dir), overrides=list(overrides or ()))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.models import build_model
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.step import lm_loss

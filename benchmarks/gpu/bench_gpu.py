@@ -165,7 +165,7 @@ def section_fp8(args, device) -> list[dict]:
     too) and each row's speed-up over eager bf16. Goal at this size: FP8 ≥ 1.3× bf16."""
     from dataclasses import fields
 
-    from hpctrain.config import TrainConfig
+    from hpctrain.config.schema import TrainConfig
 
     over = model_overrides(args.dry_run, device) + ["train.precision=bf16",
                                                     f"train.steps={args.steps}"]

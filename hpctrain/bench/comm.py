@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.timing import TORCH_DTYPES, node_name, slow_factor_for, stem, timed
+from hpctrain.config.bench import BenchConfig
 from hpctrain.distributed.dims import GROUP_NAMES
 from hpctrain.distributed.mesh import Mesh
 

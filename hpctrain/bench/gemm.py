@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from hpctrain.bench.config import BenchConfig, default_precisions
 from hpctrain.bench.timing import TORCH_DTYPES, node_name, slow_factor_for, stem, timed
-from hpctrain.config import Config
+from hpctrain.config.bench import BenchConfig, default_precisions
+from hpctrain.config.schema import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.metrics.devices import lookup_device

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from hpctrain.bench import summary as S
-from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.outliers import Finding, exclude_line, find_outliers, nodes_to_exclude
 from hpctrain.bench.plots import make_plots
+from hpctrain.config.bench import BenchConfig
 from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.wandb_logger import WandbLogger
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.bench.config import BenchConfig
+from hpctrain.config.bench import BenchConfig
 from hpctrain.distributed.device import synchronize
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

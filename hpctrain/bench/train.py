@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.timing import node_name, stem
-from hpctrain.config import Config
+from hpctrain.config.bench import BenchConfig
+from hpctrain.config.schema import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.train.trainer import Trainer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpctrain.config import DataConfig
+from hpctrain.config.schema import DataConfig
 from hpctrain.data.records import records
 from hpctrain.data.shards import Input
 

@@ -20,7 +20,7 @@ The document index (offsets of the eod tokens of a split) is `<split>.idx` besid
 built once (prepare writes it; an older cache gets it on first use) and verified on load: the
 count must match and every offset must hold the eod token.
 
-A mixture's corpora (hpctrain.data.dataset.Source) are packed apart: a piece belongs to the
+A mixture's corpora (hpctrain.data.sources.Source) are packed apart: a piece belongs to the
 corpus whose range holds its targets, and a row holds one corpus only, so the sampler can pick
 the corpus of every row.
 """
@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpctrain.config.rule import check
+from hpctrain.config.schema import Config
 from hpctrain.data.sources import Source, numbered
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 
@@ -165,3 +167,12 @@ class PackedDocuments:
         parts = [self.row(i) for i in indices]
         inputs, targets, ids = (torch.from_numpy(np.stack(p)) for p in zip(*parts, strict=True))
         return inputs, targets, Documents.from_ids(ids)
+
+
+@check("train.batching", "data.packing")
+def check_packing(c: Config) -> list[str]:
+    if c.train.batching == "tokens" and c.data.packing != "documents":
+        return [f"train.batching=tokens packs whole documents into padded rows, which needs "
+                f"data.packing=documents, not data.packing={c.data.packing}: set "
+                f"data.packing=documents or train.batching=rows"]
+    return []

@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpctrain.config import DataConfig, corpus_name, corpus_view
+from hpctrain.config.schema import DataConfig, corpus_name, corpus_view
 from hpctrain.data.assemble import Stream, assemble
 from hpctrain.data.bpe_train import BPE_EOD, train_bpe
 from hpctrain.data.mixture import mixture_plan, single_plan

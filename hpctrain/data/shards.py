@@ -7,7 +7,7 @@ shard with a .json is finished, and a resumed prepare keeps it). A shard depends
 unit, so the whole output is the same whatever the number of worker processes. Memory is
 bounded by one document plus `FLUSH_TOKENS` buffered ids.
 
-This module imports neither torch nor hpctrain.config: worker processes start fast.
+This module imports neither torch nor hpctrain.config.schema: worker processes start fast.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Courier:
 
 def _under_modes(modes, fn: Callable[[], object]) -> object:
     """`fn` under the submitting thread's dispatch modes (e.g. the dry run's collective tally,
-    hpctrain.plan.dryrun_comm), which torch keeps per thread."""
+    hpctrain.tasks.dryrun.comm), which torch keeps per thread."""
     with contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)

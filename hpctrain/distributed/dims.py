@@ -48,17 +48,33 @@ class ParallelDims:
     dp_replicate: int = 1  # HSDP: dp = dp_replicate × dp_shard (module docstring)
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise ValueError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
-        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
-            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} must be >= 1 and divide "
-                             f"parallel.dp={self.dp}: choose it among {_divisors(self.dp)}")
-        if self.ep < 1 or self.dp_shard % self.ep:
-            where = "parallel.dp" if self.dp_replicate == 1 else "parallel.dp_shard"
-            raise ValueError(f"parallel.ep={self.ep} must be >= 1 and divide {where}="
-                             f"{self.dp_shard} (an expert group lives inside one replica): "
-                             f"choose ep among {_divisors(self.dp_shard)}")
+        problems = self.problems(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                                 dp_replicate=self.dp_replicate)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @staticmethod
+    def problems(*, dp: int, tp: int, pp: int, cp: int, ep: int, dp_replicate: int) -> list[str]:
+        """Why these degrees do not compose (each message names the values and the fix; []
+        when they do): every axis ≥ 1, dp_replicate divides dp, ep divides dp_shard (module
+        docstring). The one statement of these rules: validation reads it before launch."""
+        degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        bad = [f"parallel.{axis}={v} must be >= 1" for axis, v in degrees.items() if v < 1]
+        if bad:
+            return bad
+        if dp_replicate < 1 or dp % dp_replicate:
+            return [f"parallel.dp_replicate={dp_replicate} does not divide parallel.dp={dp} "
+                    f"(dp = dp_replicate × dp_shard): choose dp_replicate among {divisors(dp)}"]
+        shard = dp // dp_replicate
+        if ep >= 1 and shard % ep == 0:
+            return []
+        if dp_replicate == 1:
+            return [f"parallel.ep={ep} must be >= 1 and divide parallel.dp={dp} (expert-parallel "
+                    f"ranks live inside the dp group): choose ep dividing dp, among "
+                    f"{divisors(dp)}"]
+        return [f"parallel.ep={ep} does not divide parallel.dp_shard={shard} (an expert group "
+                f"lives inside one replica): choose ep among {divisors(shard)}, or a smaller "
+                "parallel.dp_replicate"]
 
     @property
     def dp_shard(self) -> int:
@@ -185,5 +201,6 @@ class ParallelDims:
         return c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0 and c["pp"] == self.pp - 1
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of n ≥ 1, ascending (the degrees an axis of n ranks can take)."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -2,7 +2,7 @@
 
 Every collective and point-to-point call on a "fake" group returns at once without moving
 data, so one process can set up any rank of a 16,384-rank job (every group created, every
-rank's arithmetic run) on meta tensors: the dry run (`hpctrain.plan.dryrun`). The backend is
+rank's arithmetic run) on meta tensors: the dry run (`hpctrain.tasks.dryrun.run`). The backend is
 registered by a module of torch's test utilities, the one private import it needs, kept here.
 """
 

@@ -55,7 +55,7 @@ class Mesh:
     # This rank's step heartbeat for the hang watchdog (a no-op outside a launched run).
     heartbeat: Heartbeat = NO_HEARTBEAT
     # A second, gloo group over the whole world for checkpoint writes on a background thread
-    # (hpctrain.train.ckpt_writer), so their collectives never interleave with training's.
+    # (hpctrain.checkpoint.writer), so their collectives never interleave with training's.
     io: dist.ProcessGroup | None = None
 
     def group(self, name: GroupName) -> dist.ProcessGroup:
@@ -115,7 +115,7 @@ def build_mesh(dims: ParallelDims, *, rank: int, device: torch.device,
     group of the right size, which should carry the same timeout. A one-rank group is created
     by this rank alone (hashed name, no store round trip with the others), so a degree-1 axis
     costs no collective setup. `io_backend`: the checkpoint writer's group (gloo; the dry run's
-    fake backend in `hpctrain.plan.dryrun`)."""
+    fake backend in `hpctrain.tasks.dryrun.run`)."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group has {dist.get_world_size()} ranks but the layout needs "
                          f"{dims.world_size} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}, "

@@ -10,7 +10,7 @@ Two files in the run directory, so every later start of the run reads them:
   (the step reached less the step resumed), world_before, world_after, and the layouts.
 
 Preemptions and time limits are not faults: they save first and requeue through
-`hpctrain.launch.preempt`, and are recorded nowhere here. The nodes of every record stay
+`hpctrain.distributed.preempt`, and are recorded nowhere here. The nodes of every record stay
 excluded for the rest of the run (`excluded`).
 """
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hpctrain.config import Config, ParallelConfig
-from hpctrain.parse import runnable_problems
+from hpctrain.config.schema import Config, ParallelConfig
 from hpctrain.plan.auto import choose_layout, fit_problems
+from hpctrain.tasks import runnable_problems
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpctrain.config import Config
-from hpctrain.distributed import rundir
+from hpctrain.config.schema import Config
+from hpctrain.distributed import preempt, rundir
 from hpctrain.distributed.device import resolve_device_type
 from hpctrain.errors import RunStopped, end_process, storage_stop
-from hpctrain.launch import preempt
 from hpctrain.launch.supervisor import JobStopped, supervise
 from hpctrain.launch.worker import TaskFn, run_rank
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.errors import RunStopped
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed import restarts, stragglers
 from hpctrain.distributed.hang_report import Fault
 from hpctrain.distributed.rundir import work_dir

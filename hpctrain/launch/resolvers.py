@@ -63,15 +63,18 @@ def job_flags(elastic: bool, min_nodes: int, nodes: int) -> dict[str, object]:
     return flags
 
 
+# ${hpctrain.<name>:...} in conf/cluster/slurm.yaml
+RESOLVERS = {
+    "hpctrain.nodes": nodes_for,
+    "hpctrain.gres": gres_for,
+    "hpctrain.setup": lambda setup, env: launcher_setup(_plain(setup), _plain(env)),
+    "hpctrain.job_flags": job_flags,
+}
+
+
 def register() -> None:
     """Register the `hpctrain.*` resolvers with OmegaConf (idempotent: replaces them)."""
-    resolvers = {
-        "hpctrain.nodes": nodes_for,
-        "hpctrain.gres": gres_for,
-        "hpctrain.setup": lambda setup, env: launcher_setup(_plain(setup), _plain(env)),
-        "hpctrain.job_flags": job_flags,
-    }
-    for name, fn in resolvers.items():
+    for name, fn in RESOLVERS.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from hpctrain import schema
-from hpctrain.config import Config
+from hpctrain.config import hydra_schema
+from hpctrain.config.schema import Config
 from hpctrain.launch import resolvers
 from hpctrain.launch.resolvers import setup_lines
-from hpctrain.parse import parse
+from hpctrain.tasks.configure import parse
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "templates" / "train.sbatch"
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir or f"outputs/sbatch/{datetime.now():%Y-%m-%d_%H-%M-%S}").absolute()
     conf_dir = Path(__file__).resolve().parents[2] / "conf"
-    schema.register()  # the Hydra entry of this script: schemas and resolvers (idempotent)
+    hydra_schema.register()  # the Hydra entry of this script: schemas and resolvers (idempotent)
     resolvers.register()
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         composed = compose(config_name="config", overrides=list(a.overrides))

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.data.prepare import prepare
+from hpctrain.distributed import preempt
 from hpctrain.distributed.env import DistEnv, from_environ
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.launch import preempt, task_results
+from hpctrain.launch import task_results
 from hpctrain.launch.requeue import SCONTROL_S, Requeue, leave_excluded
 from hpctrain.launch.worker import TaskFn, run_rank
 

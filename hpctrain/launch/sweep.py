@@ -27,13 +27,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.data.checks import check_prepared
 from hpctrain.data.prepare import prepare
 from hpctrain.launch.record import RECORD_DIR, write_record
 from hpctrain.launch.sweep_check import parsed_points, sweep_points
 from hpctrain.launch.sweep_results import read_result
 from hpctrain.metrics.redact import Secrets
-from hpctrain.validate import reads_data
-from hpctrain.validate_inputs import check_prepared
+from hpctrain.tasks import reads_data
 
 log = logging.getLogger(__name__)
 COLUMNS = ("final_loss", "final_eval_loss", "completed_steps", "tokens_per_s")
@@ -205,6 +205,6 @@ def _prepare_base(config: DictConfig, sweep_dir: str) -> None:
                          "batch; nothing was launched:\n" + "\n".join(errors))
     for i, point in enumerate(points):
         if point.task == "train" and point.cluster.check_before_submit:
-            from hpctrain.plan.dryrun import check_before_submit  # torch, the model: seconds
+            from hpctrain.tasks.dryrun.run import check_before_submit  # torch, the model: seconds
 
             check_before_submit(point, run_dir=Path(sweep_dir) / f"dryrun.{i}")

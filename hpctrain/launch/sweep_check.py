@@ -16,7 +16,7 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from hpctrain.parse import parse
+from hpctrain.tasks.configure import parse
 
 
 def sweep_points(task_overrides: list[str]) -> list[list[str]]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed import hang_report
 from hpctrain.distributed.device import local_device, resolve_device_type
 from hpctrain.distributed.mesh import Mesh, build_mesh

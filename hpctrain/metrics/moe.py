@@ -1,7 +1,7 @@
 """Per-step routing metrics of a mixture-of-experts model (metrics.jsonl keys `moe_*`).
 
 From the statistics every MoE layer accumulated over the step's training forwards
-(hpctrain.models.moe `take_moe_stats`), summed over the dp×cp group (every rank routes its own
+(hpctrain.models.moe.layer `take_moe_stats`), summed over the dp×cp group (every rank routes its own
 tokens over all E experts), so the numbers describe the whole global batch:
 
   moe_tokens_per_expert_min / _max   assignments (token, expert) an expert was routed, the
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.distributed.mesh import group_size
-from hpctrain.models.moe import moe_layers, take_moe_stats
+from hpctrain.models.moe.layer import moe_layers, take_moe_stats
 from hpctrain.parallel.moe import take_all_to_all_bytes
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hpctrain.config import LoggerConfig
+from hpctrain.config.schema import LoggerConfig
 from hpctrain.metrics.redact import Secrets
 
 log = logging.getLogger(__name__)

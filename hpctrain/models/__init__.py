@@ -6,7 +6,7 @@ from torch import nn
 from hpctrain.models.config import PRESETS, ModelConfig
 from hpctrain.models.family import ModelFamily, Part
 from hpctrain.models.init import full_init, init_weights
-from hpctrain.models.llama import Transformer
+from hpctrain.models.llama.model import Transformer
 from hpctrain.models.registry import family_of, model_blocks
 
 

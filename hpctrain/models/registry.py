@@ -6,7 +6,7 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.family import ModelFamily
-from hpctrain.models.llama import FAMILY as LLAMA
+from hpctrain.models.llama.model import FAMILY as LLAMA
 
 
 def family_of(cfg: ModelConfig) -> ModelFamily:

@@ -64,7 +64,7 @@ def sdpa_attention(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Ten
 
 
 def _meta_fused(q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, v_BKLH: torch.Tensor):
-    """sdpa on meta tensors (the dry run, hpctrain.plan.dryrun_rank): torch's dispatcher
+    """sdpa on meta tensors (the dry run, hpctrain.tasks.dryrun.rank): torch's dispatcher
     picks its math path there (no fused kernel has a meta dispatch), which saves the L×L
     scores; the flash kernel called directly saves what the fused kernels save on a device
     (q, k, v with their own K heads, out, the fp32 log-sum-exp)."""

@@ -1,7 +1,7 @@
 """Helpers shared by hpctrain's linear autograd functions (`linear`, `fp8_linear`).
 
 Autocast has no meta device (torch raises for it): on the dry run's meta tensors
-(hpctrain.plan.dryrun_rank) it is simply off."""
+(hpctrain.tasks.dryrun.rank) it is simply off."""
 
 from __future__ import annotations
 

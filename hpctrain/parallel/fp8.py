@@ -18,7 +18,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
-from hpctrain.models.moe import Experts
+from hpctrain.models.moe.layer import Experts
 from hpctrain.ops.fp8 import Fp8Spec, Recipe
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear

@@ -1,8 +1,8 @@
 """Activation bytes of hpctrain's own Llama blocks: what autograd saves, tensor by tensor.
 
 `plan.memory` keeps Korthikanti et al.'s GPT table for Megatron's shapes; this module counts
-what `hpctrain.models.llama` saves for backward, so a run's predicted activation and peak memory
-can be checked against `hpctrain.metrics.activations.ActivationMeter` (the same quantity,
+what `hpctrain.models.llama.model` saves for backward, so a run's predicted activation and peak
+memory can be checked against `hpctrain.metrics.activations.ActivationMeter` (the same quantity,
 measured). Per token of a microbatch (T = b·s/cp tokens), e = activation element bytes (4 in
 fp32; 2 for the matmul outputs under bf16/fp16 autocast, whose norms still compute in fp32),
 h model width, K·d key/value width, N heads, f MLP width, t tp:
@@ -23,7 +23,7 @@ h model width, K·d key/value width, N heads, f MLP width, t tp:
                  while it is rerun in its backward (then the head's log-softmax of that
                  microbatch is already freed; in fp32 the block's first norm keeps the stored
                  input itself, so that input counts once)
-A mixture-of-experts block (hpctrain.models.moe) replaces the SwiGLU by, per token it routes
+A mixture-of-experts block (hpctrain.models.moe.layer) replaces the SwiGLU by, per token it routes
 (all T under tp, T/t under sp, whose MoE block runs on the sequence shard with no gathered
 norm input), E experts, k' expert slots per token (top_k dropless, an upper bound of
 capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
@@ -35,7 +35,7 @@ capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
                  combine's index_add keeps (3·e·h), the expert's SwiGLU (4·e·f_e), its token
                  id, kept-slot id and gate (20); with ep > 1 the received rows' order and its
                  inverse (16). The slots are counted at the bound the dry run routes
-                 (hpctrain.models.moe.bound_routing): a rank receives its own count, as under
+                 (hpctrain.models.moe.layer.bound_routing): a rank receives its own count, as under
                  uniform routing (routing is data-dependent)
   shared         4·e·s·f_e
 Outside the layers, on the first stage: the token ids (8 bytes); on the last stage: the final

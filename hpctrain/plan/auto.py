@@ -32,24 +32,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config
+from hpctrain.config.plan import plan_settings
+from hpctrain.config.schema import Config, fixed_values
 from hpctrain.distributed.device import resolve_device_type
 from hpctrain.metrics.devices import DeviceSpec
 from hpctrain.plan.calibrate import local_cluster
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.inputs import cluster_spec, layout_of
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.predict import predicted_peak
 from hpctrain.plan.search import GIB, Candidate, evaluate_layout, search_layouts
-from hpctrain.plan.task import cluster_spec, layout_of, plan_settings
 
 log = logging.getLogger(__name__)
 # Keys the search chooses, which parallel.fixed may keep as given: the Layout's fields and the
 # recompute. schedule and virtual_stages bind pipelined layouts (pp > 1) only, sp tensor-parallel
 # ones (tp > 1): a layout without a pipeline has no schedule to keep.
-FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
-           "parallel.zero", "parallel.schedule", "parallel.virtual_stages", "parallel.sp",
-           "parallel.offload", "parallel.cp_comm", "parallel.dp_replicate",
-           "train.activation_checkpointing")
 _ONLY_WHEN = {"schedule": "pp", "virtual_stages": "pp", "sp": "tp"}
 NOMINAL_CPU_FLOPS = 50e9  # only ranks layouts; the time model's own numbers need a device row
 Accept = Callable[[Config], list[str]]
@@ -110,26 +107,6 @@ def usable_bytes(cfg: Config, cluster: ClusterSpec) -> float:
     limit = memory_limit(cfg, cluster)
     return (limit if limit is not None else cluster.device.memory_bytes) * (
         1 - plan_settings(cfg).headroom)
-
-
-def fixed_values(cfg: Config) -> dict[str, Any]:
-    """key → value of every `key=value` of parallel.fixed (parse records the values as given,
-    before the search replaces the layout: the config holds the winner's afterwards)."""
-    out = {}
-    for entry in cfg.parallel.fixed:
-        key, _, text = entry.partition("=")
-        group, name = key.split(".")
-        out[key] = fixed_value(getattr(getattr(cfg, group), name), text)
-    return out
-
-
-def fixed_value(like: Any, text: str) -> Any:
-    """`text` as a value of the type of `like` (int, bool or str); ValueError otherwise."""
-    if isinstance(like, bool):
-        if text not in ("true", "false"):
-            raise ValueError(text)
-        return text == "true"
-    return int(text) if isinstance(like, int) else text
 
 
 def _keeps(cfg: Config) -> Callable[[Layout, str], bool] | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.parallel.data.layout import ShardLayout
+from hpctrain.parallel.pipeline.schedules import stage_ranks
 from hpctrain.plan.memory import ModelStates
 
 
@@ -40,7 +41,7 @@ def block_numels(model: ModelConfig, *, tp: int = 1, layer: int = 0, ep: int = 1
     """Parameter sizes of Block `layer` on a tp rank, in registration order: attn_norm, wq,
     wk, wv, wo, mlp_norm, then w1, w3, w2, or in an MoE block the router, the routed
     experts' w1, w3, w2 (with ep = 1 only: `expert_groups` holds them otherwise) and the
-    shared experts' (see hpctrain.models.llama and .moe; module docstring for tp)."""
+    shared experts' (see hpctrain.models.llama.model and .moe; module docstring for tp)."""
     d, f, hd = model.dim, model.ffn_dim, model.head_dim
     q = model.n_heads * hd
     kv = model.n_kv_heads * hd // tp if model.n_kv_heads % tp == 0 else hd
@@ -72,11 +73,10 @@ def expert_groups(model: ModelConfig, *, ep: int) -> list[list[int]]:
 
 
 def rank_chunks(pp_rank: int, *, pp: int, virtual_stages: int, schedule: str) -> list[int]:
-    """The pipeline chunks (stage ids) pp rank `pp_rank` holds: every pp-th one, or the V of
-    zbv (chunks r and 2·pp − 1 − r)."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(virtual_stages)]
+    """The pipeline chunks (stage ids) pp rank `pp_rank` holds, in stage order, as the schedule
+    places them (`schedules.stage_ranks`)."""
+    placed = stage_ranks(schedule, pp=pp, virtual_stages=virtual_stages)
+    return [stage for stage, rank in enumerate(placed) if rank == pp_rank]
 
 
 def rank_param_groups(model: ModelConfig, *, tp: int = 1, pp: int = 1, virtual_stages: int = 1,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from hpctrain.distributed.dims import ParallelDims
+from hpctrain.parallel.pipeline import schedules
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
@@ -16,9 +17,8 @@ CpComm = Literal["ring", "allgather"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv")
-# Schedules that place several model chunks on each rank; zbv always uses exactly two.
-INTERLEAVED = ("interleaved_1f1b", "zbv")
+SCHEDULES: tuple[str, ...] = tuple(schedules.SCHEDULES)
+INTERLEAVED = schedules.INTERLEAVED
 
 
 @dataclass(frozen=True)

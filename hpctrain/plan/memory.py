@@ -7,7 +7,7 @@ Model states, Ψ = parameters on this rank's (tp, pp) shard, Nd = dp (Rajbhandar
   offload='cpu' moves the optimizer term to host memory (reported as `host`).
   An asynchronous checkpoint stages one host copy of the rank's own shard of the fp32 masters
   and both moments, 12 bytes per owned parameter in any precision (reported as `staging`,
-  host memory, not in the device total: hpctrain.train.checkpointer).
+  host memory, not in the device total: hpctrain.checkpoint.checkpointer).
 
 Activations per transformer layer, in bytes, for s·b tokens of width h, a heads, tp = t
 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", Table 2):

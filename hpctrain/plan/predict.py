@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.inputs import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.memory import ModelStates
 from hpctrain.plan.rank_memory import StepShape, engine_states, rank_memory, stage_activations
-from hpctrain.plan.task import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)

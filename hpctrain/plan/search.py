@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from hpctrain.distributed.dims import divisors
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
@@ -39,10 +40,6 @@ class Candidate:
     exact: bool = True  # False: `time` is the bound before the pipeline bubble (pruned)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _pipelines(pp: int, schedules: Sequence[str], virtual_stages: Sequence[int]):
     """(schedule, v) pairs for pp ranks; pp = 1 has no pipeline, so only ('1f1b', 1)."""
     if pp == 1:
@@ -69,8 +66,8 @@ def enumerate_layouts(
     it refuses that mix); ep from the divisors of dp that divide the model's experts; with
     ZeRO ≥ 1 across nodes, also HSDP with one shard group per node (`_replicas`)."""
     for cp in (c for c in context_parallel if n_devices % c == 0):
-        for tp in _divisors(n_devices // cp):
-            for pp in _divisors(n_devices // (cp * tp)):
+        for tp in divisors(n_devices // cp):
+            for pp in divisors(n_devices // (cp * tp)):
                 dp = n_devices // (cp * tp * pp)
                 for schedule, v in _pipelines(pp, schedules, virtual_stages):
                     for zero in zero_stages if dp * cp > 1 else (0,):

@@ -32,7 +32,7 @@ L = l/(pp·v) layers, each term below with its source:
   fp8      = with train.fp8 the block projections' GEMMs run on an FP8 roofline (the device's
              dense FP8 peak · achievable_fraction, 1-byte operands); the output head and the
              attention core stay in 16 bits (train.fp8_skip). MoE experts (routed and shared)
-             run their GEMMs in float8 too (hpctrain.models.moe), counted with the projections
+             run their GEMMs in float8 too (hpctrain.models.moe.layer), counted with the projections
   comm_dp  = (1 − dp_overlap) · ring cost of the rank's gradients: reduce-scatter + all-gather
              (= one all-reduce) for ZeRO 0–2, plus a second parameter all-gather for ZeRO 3
              (Megatron 2021 reduces after the pipeline flush: dp_overlap = 0); under ov.dp

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.distributed import restarts
 from hpctrain.train.optim import lr_at
 

@@ -9,6 +9,9 @@ eval_loss at a step is the same, up to fp32 rounding, for single, dp, tp, pp and
 
 from __future__ import annotations
 
+from hpctrain.config.rule import check
+from hpctrain.config.schema import Config
+
 
 def eval_split_problem(samples: int, *, dp: int, micro_batch: int) -> str | None:
     """Why `samples` cannot be split into whole micro-batches over `dp` ranks, with the fix
@@ -33,3 +36,13 @@ def eval_indices(n_val: int, *, samples: int, dp: int, dp_rank: int,
     first = dp_rank * share
     return [[(first + j + i) % n_val for i in range(micro_batch)]
             for j in range(0, share, micro_batch)]
+
+
+@check("train.eval_samples", "train.eval_every", "train.global_batch_size",
+       "train.micro_batch_size", "parallel.")
+def check_eval(c: Config) -> list[str]:
+    t = c.train
+    if not t.eval_every:
+        return []
+    problem = eval_split_problem(t.eval_samples, dp=c.parallel.dp, micro_batch=t.micro_batch_size)
+    return [problem] if problem else []

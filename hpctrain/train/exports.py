@@ -18,9 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hpctrain.train.checkpoint import checkpoint_dir
-from hpctrain.train.export_config import ExportConfig
-from hpctrain.train.hf_export import export_hf
+from hpctrain.checkpoint.hf_export import export_hf
+from hpctrain.checkpoint.save_load import checkpoint_dir
+from hpctrain.config.export import ExportConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config, corpus_name
+from hpctrain.config.schema import Config, corpus_name
 from hpctrain.data.dataset import Sampler, open_split
 from hpctrain.data.schedule import MixtureSampler, MixtureSchedule
 from hpctrain.data.sources import Source

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.errors import NonFiniteError
 
 MAX_CONSECUTIVE_SKIPS = 10  # skip mode: this many non-finite steps in a row stop the run

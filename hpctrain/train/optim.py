@@ -1,4 +1,4 @@
-"""AdamW with fp32 state and the learning-rate schedules of optim.lr_schedule.
+"""AdamW with fp32 state and the learning-rate schedules of optim.lr_schedule, with their checks.
 
 The LR is a pure function of the step (no scheduler object), so resuming needs only the step.
 Every schedule starts with a linear warmup, lr·(s+1)/W for s < W = optim.warmup_steps; after it,
@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.rule import check
+from hpctrain.config.schema import Config, OptimConfig
 
 DECAY_SHAPES = {
     "linear": lambda q: 1.0 - q,
@@ -64,3 +65,30 @@ def param_groups(params: list[tuple[str, torch.nn.Parameter]], weight_decay: flo
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+@check("optim.min_lr", "optim.lr", "optim.lr_schedule")
+def check_optim(c: Config) -> list[str]:
+    """A decaying schedule decays down to min_lr, not up."""
+    o = c.optim
+    if o.lr_schedule not in ("cosine", "linear", "wsd") or o.min_lr <= o.lr:
+        return []
+    return [f"optim.min_lr={o.min_lr:g} exceeds optim.lr={o.lr:g}: the {o.lr_schedule} schedule "
+            f"decays from lr to min_lr, so the LR would climb to {o.min_lr / o.lr:.3g}× its "
+            f"peak; set optim.min_lr at most optim.lr, e.g. optim.min_lr={o.lr / 10:g}"]
+
+
+@check("optim.lr_schedule", "optim.warmup_steps", "optim.decay_fraction", "train.steps")
+def check_lr_schedule(c: Config) -> list[str]:
+    """inv_sqrt has a warmup; the wsd decay does not overlap the warmup."""
+    o, steps = c.optim, c.train.steps
+    if o.lr_schedule == "inv_sqrt" and o.warmup_steps < 1:
+        return ["optim.lr_schedule=inv_sqrt is lr·sqrt(warmup/step) and needs "
+                "optim.warmup_steps ≥ 1: set e.g. optim.warmup_steps=20"]
+    decay = wsd_decay_steps(o, steps)
+    if o.lr_schedule != "wsd" or steps - decay >= o.warmup_steps:
+        return []
+    most = (steps - o.warmup_steps) / steps
+    return [f"optim.decay_fraction={o.decay_fraction:g} of train.steps={steps} is {decay} decay "
+            f"steps, which overlap the optim.warmup_steps={o.warmup_steps}: set "
+            f"optim.decay_fraction at most {most:.3g} or fewer warmup steps"]

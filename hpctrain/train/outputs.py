@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from hpctrain.config import Config, TrainConfig
+from hpctrain.config.schema import Config, TrainConfig
 from hpctrain.metrics.logger import JsonlLogger, MultiLogger
 from hpctrain.metrics.progress import Progress
 from hpctrain.metrics.redact import Secrets
@@ -97,3 +97,20 @@ def step_profiler(t: TrainConfig, *, run_dir: Path, rank: int, device: torch.dev
                  schedule=schedule(wait=1, warmup=1, active=t.profile_steps),
                  on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
         yield prof
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The run summary, set apart by rules, ending with where the outputs are."""
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    rule = "─" * 78
+    lines = [rule, "run summary", *(f"  {k:<22} {fmt(v)}" for k, v in summary.items()
+                                    if v is not None)]
+    if "mfu" in summary and summary["mfu"] is None:
+        lines.append(f"  {'mfu':<22} null (no dense bf16 peak known for this device)")
+    if summary.get("run_dir"):
+        plot = "training.png, " if summary.get("plot") else ""
+        lines.append(f"outputs in {summary['run_dir']} (summary.json, metrics.jsonl, "
+                     f"{plot}checkpoints/)")
+    return "\n".join([*lines, rule])

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 
 BIG_MODEL_PARAMS = 500_000_000  # above this, building on a CPU takes a while
 

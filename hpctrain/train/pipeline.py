@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule

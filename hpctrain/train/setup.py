@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.models import build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import Config
+from hpctrain.config.schema import Config
 from hpctrain.distributed import hang_report, stragglers
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.distributed.rundir import heartbeat_dir

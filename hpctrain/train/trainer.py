@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-from hpctrain.config import Config
+from hpctrain.checkpoint import resume_changes
+from hpctrain.checkpoint import save_load as ckpt
+from hpctrain.checkpoint.checkpointer import Checkpointer, save_metrics
+from hpctrain.checkpoint.hf_import import load_hf_weights
+from hpctrain.checkpoint.writer import Retention
+from hpctrain.config.schema import Config
 from hpctrain.data.prepare import prepare
 from hpctrain.distributed.device import device_name, peak_memory_bytes, reset_peak_memory
 from hpctrain.distributed.mesh import Mesh
@@ -29,13 +34,9 @@ from hpctrain.models.compile import CompileWatch
 from hpctrain.parallel.context.step import shard_batches, take_cp_bytes
 from hpctrain.parallel.scaler import LossScaler
 from hpctrain.parallel.step import eval_loss
-from hpctrain.train import checkpoint as ckpt
-from hpctrain.train import continuation, nonfinite, resume_changes
-from hpctrain.train.checkpointer import Checkpointer, save_metrics
-from hpctrain.train.ckpt_writer import Retention
+from hpctrain.train import continuation, nonfinite
 from hpctrain.train.exports import Exporter
 from hpctrain.train.feed import Feed
-from hpctrain.train.hf_import import load_hf_weights
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.outputs import (
     NoPrediction,
@@ -58,8 +59,8 @@ HISTORY_STEPS = 1000  # step records kept for the summary's medians
 class Trainer:
     """One rank's training run on `mesh`. The launcher's side comes in as arguments, so train
     imports nothing above it: `stop_requested()` is collective and True on every rank once any
-    rank was signalled (hpctrain.launch.preempt); `prediction` is the planner's (task=train
-    builds both, hpctrain.tasks)."""
+    rank was signalled (hpctrain.distributed.preempt); `prediction` is the planner's (task=train
+    builds both, hpctrain.dispatch)."""
 
     def __init__(self, cfg: Config, mesh: Mesh, *, stop_requested: Callable[[], bool] = never_stop,
                  prediction: Prediction | None = None):
@@ -106,7 +107,7 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------
     def resume(self) -> None:
         """Continue from a checkpoint (train.resume) when there is one; else start from
-        model.init_from's weights when set (hpctrain.train.hf_import), else from the init."""
+        model.init_from's weights when set (hpctrain.checkpoint.hf_import), else from the init."""
         mode = self.cfg.train.resume
         # Chosen and verified on rank 0 for every rank; unverified or refused ones are skipped
         # (auto) or stop the run (an explicit directory); another model shape stops it. With
@@ -395,5 +396,5 @@ class Trainer:
                             evicted=self.steps_run - len(self.history))
         summary.update(self.prediction.summary(summary, mem))  # predicted vs measured
         loggers.summary(summary)
-        loggers.close()  # the CLI prints the summary last (hpctrain.cli.format_summary)
+        loggers.close()  # the CLI prints the summary last (hpctrain.train.outputs.format_summary)
         return summary

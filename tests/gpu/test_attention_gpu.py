@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.metrics.logger import read_jsonl
 from hpctrain.ops.attention import ATTENTION_BACKENDS, eager_attention
 from hpctrain.ops.documents import Documents
@@ -70,8 +70,8 @@ def test_training_with_each_backend_tracks_sdpa(tmp_path, backend):
     over = ["model=tiny", "train=debug", "train.steps=6", "train.eval_every=0",
             "logger.wandb=disabled", "data.max_bytes=300000", "cluster.device=cuda",
             "train.precision=bf16"]
-    tasks.run(make_config(over, run_dir=tmp_path / "sdpa"))
-    tasks.run(make_config([*over, f"model.attention={backend}"], run_dir=tmp_path / backend))
+    dispatch.run(make_config(over, run_dir=tmp_path / "sdpa"))
+    dispatch.run(make_config([*over, f"model.attention={backend}"], run_dir=tmp_path / backend))
     ref = [r["loss"] for r in read_jsonl(tmp_path / "sdpa" / "metrics.jsonl")]
     got = [r["loss"] for r in read_jsonl(tmp_path / backend / "metrics.jsonl")]
     assert all(abs(a - b) < 0.02 * a for a, b in zip(ref, got, strict=True)), (ref, got)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.metrics.logger import read_jsonl
 from hpctrain.ops.attention import eager_attention, sdpa_attention
 from tests.conftest import make_config
@@ -33,8 +33,8 @@ def test_sdpa_kernels_match_eager_on_cuda(dtype, tol):
 def test_bf16_training_on_cuda_tracks_fp32(tmp_path):
     over = ["model=debug", "train=debug", "train.steps=8", "train.eval_every=0",
             "logger.wandb=disabled", "data.max_bytes=300000", "cluster.device=cuda"]
-    tasks.run(make_config(over, run_dir=tmp_path / "fp32"))
-    tasks.run(make_config([*over, "train.precision=bf16"], run_dir=tmp_path / "bf16"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "fp32"))
+    dispatch.run(make_config([*over, "train.precision=bf16"], run_dir=tmp_path / "bf16"))
     ref = [r["loss"] for r in read_jsonl(tmp_path / "fp32" / "metrics.jsonl")]
     got = [r["loss"] for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl")]
     assert all(abs(a - b) < 0.05 * a for a, b in zip(ref, got, strict=True)), (ref, got)
@@ -50,7 +50,7 @@ def test_bf16_training_on_cuda_tracks_fp32(tmp_path):
 def test_nccl_process_group_runs_a_training_step(tmp_path):
     over = ["model=debug", "train=debug", "train.steps=2", "train.eval_every=0",
             "logger.wandb=disabled", "data.max_bytes=300000", "cluster.backend=nccl"]
-    summary = tasks.run(make_config(over, run_dir=tmp_path))
+    summary = dispatch.run(make_config(over, run_dir=tmp_path))
     assert summary["completed_steps"] == 2 and summary["device"] != "cpu"
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checkpoint import manifest
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.train import manifest
 from tests.conftest import ROOT
 from tests.harness import die_with_parent
 

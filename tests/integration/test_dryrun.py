@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hpctrain.plan.dryrun import TERMS, run_dryrun
-from hpctrain.plan.dryrun_config import default_ranks
+from hpctrain.config.dryrun import default_ranks
+from hpctrain.tasks.dryrun.run import TERMS, run_dryrun
 from tests.conftest import make_config
 
 BIG = ["task=dryrun", "cluster=slurm", "cluster.procs_per_node=8", "train.micro_batch_size=1",

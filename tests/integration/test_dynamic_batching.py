@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.metrics.logger import read_jsonl
@@ -41,9 +41,9 @@ def _records(run_dir: Path) -> list[dict]:
 
 def test_stop_and_resume_is_bit_identical(tmp_path, short_docs):
     over = [*short_docs, "train.steps=8"]
-    tasks.run(make_config(over, run_dir=tmp_path / "full"))
-    tasks.run(make_config([*over, "train.stop_after=3"], run_dir=tmp_path / "split"))
-    tasks.run(make_config(over, run_dir=tmp_path / "split"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "full"))
+    dispatch.run(make_config([*over, "train.stop_after=3"], run_dir=tmp_path / "split"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "split"))
     full, split = _records(tmp_path / "full"), _records(tmp_path / "split")
     assert [r["loss"] for r in split] == [r["loss"] for r in full]
     assert [r["documents"] for r in split] == [r["documents"] for r in full]
@@ -65,11 +65,11 @@ def test_dp2_to_dp1_resume_continues_the_same_documents(world2, tmp_path, short_
     uninterrupted dp=1 run (the same documents counted, the same losses to fp32 rounding: a
     different stream would change them at the first digits)."""
     over = [*short_docs, "train.steps=6"]
-    tasks.run(make_config(over, run_dir=tmp_path / "dp1"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "dp1"))
     split = tmp_path / "split"
     world2.run(_train_on_rank, [*over, "parallel=dp2", "cluster.procs_per_node=2",
                                 "train.stop_after=3"], str(split))
-    tasks.run(make_config(over, run_dir=split))
+    dispatch.run(make_config(over, run_dir=split))
     want, got = _records(tmp_path / "dp1"), _records(split)
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["documents"] for r in got] == [r["documents"] for r in want]

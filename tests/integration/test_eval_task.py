@@ -10,8 +10,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from hpctrain.dispatch import launch
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.tasks import launch
 from tests import wandb_records
 from tests.conftest import compose, make_config
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data.tokenizer import TokenizerSpec, load
-from hpctrain.tasks import launch
+from hpctrain.dispatch import launch
 from tests.conftest import make_config
 from tests.integration.test_eval_task import trained  # noqa: F401 - the shared tiny run
 
@@ -37,8 +37,8 @@ DOCS = [{"question": "def f(x):\n    return", "choices": [" x", " 7y#", " ()"], 
 
 @pytest.fixture(scope="module")
 def lm(trained):  # noqa: F811 - the fixture imported above
-    from hpctrain.train.lm_eval_adapter import lm_class
-    from hpctrain.train.one_device import load_one_device
+    from hpctrain.checkpoint.one_device import load_one_device
+    from hpctrain.tasks.eval.lm_eval_adapter import lm_class
 
     loaded = load_one_device(from_=str(trained[0]))
     return lm_class()(loaded.model, load(TokenizerSpec("byte")), max_length=64, batch_size=2)

@@ -12,9 +12,10 @@ from statistics import median
 
 import pytest
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.plan.dryrun_rank import measure_rank
+from hpctrain.tasks.dryrun.rank import measure_rank
+from hpctrain.tasks.train import run_train
 from tests.conftest import make_config
 
 SMALL = ["model=debug", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
@@ -38,7 +39,7 @@ def _train_on_rank(overrides: list[str], run_dir: str) -> None:
 
     cfg = make_config(overrides, run_dir=run_dir)
     mesh = build_mesh(cfg.parallel.dims, rank=dist.get_rank(), device=torch.device("cpu"))
-    tasks.train_task(cfg, mesh)
+    run_train(cfg, mesh)
 
 
 def _ratios(run_dir: Path) -> tuple[float, float]:
@@ -51,11 +52,11 @@ def test_single_process_peak_within_15_percent_and_calibrate_from_it(tmp_path):
     """Then `task=plan plan.calibrate_from=<that run>` refines achievable_fraction from its
     metrics.jsonl, so the plan of the same layout predicts the step time it measured."""
     run = tmp_path / "run"
-    tasks.run(make_config([*SMALL, "train.steps=4"], run_dir=run))
+    dispatch.run(make_config([*SMALL, "train.steps=4"], run_dir=run))
     for ratio in _ratios(run):
         assert ratio == pytest.approx(1.0, abs=0.15)
     steps = [r["step_time_s"] for r in read_jsonl(run / "metrics.jsonl") if r["step"] > 1]
-    plan = tasks.run(make_config([*SMALL, "task=plan", f"plan.calibrate_from={run}"],
+    plan = dispatch.run(make_config([*SMALL, "task=plan", f"plan.calibrate_from={run}"],
                                  run_dir=tmp_path / "plan"))
     assert plan["calibration"]["measured_step_time_s"] == pytest.approx(median(steps))
     assert plan["calibration"]["achievable_fraction"] != pytest.approx(0.7)
@@ -112,7 +113,7 @@ def test_states_exact_under_tp_and_zero_and_moe_peak_within_5_percent(world4, tm
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["mem_model_state_bytes"] == summary["predicted_mem_model_state_bytes"]
     moe = tmp_path / "moe"
-    tasks.run(make_config([*SMALL, "model=debug_moe", "train.steps=2"], run_dir=moe))
+    dispatch.run(make_config([*SMALL, "model=debug_moe", "train.steps=2"], run_dir=moe))
     summary = json.loads((moe / "summary.json").read_text())
     assert summary["mem_model_state_ratio"] == 1.0
     assert summary["mem_peak_ratio"] == pytest.approx(1.0, abs=0.05)

@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.data.dataset import Sampler, TokenDataset
 from hpctrain.errors import NonFiniteError
 from hpctrain.metrics.logger import read_jsonl
@@ -174,13 +174,13 @@ def test_skip_leaves_weights_and_optimizer_state_unchanged_dp2(world2, tmp_path,
 def test_skip_run_counts_and_finishes_then_stops_after_the_limit(tmp_path):
     over = [*SMALL, "train.steps=6", "train.on_nonfinite=skip"]
     with poisoned(2, global_batch=4, dp=1):
-        tasks.run(make_config(over, run_dir=tmp_path / "one"))
+        dispatch.run(make_config(over, run_dir=tmp_path / "one"))
     records = read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert [r["nonfinite"] for r in records] == [None, None, "loss", None, None, None]
     assert records[2]["loss"] is None and records[-1]["nonfinite_skipped"] == 1
     assert records[-1]["loss"] < records[0]["loss"]
     with pytest.raises(NonFiniteError, match="step 11: .*10 consecutive non-finite steps"):
-        tasks.run(make_config([*over, *BLOW_UP, "train.steps=14"], run_dir=tmp_path / "many"))
+        dispatch.run(make_config([*over, *BLOW_UP, "train.steps=14"], run_dir=tmp_path / "many"))
     assert read_jsonl(tmp_path / "many" / "metrics.jsonl")[-1]["nonfinite_skipped"] == 10
 
 
@@ -196,9 +196,9 @@ def _trajectory(run_dir: Path) -> list[tuple]:
 
 def test_rollback_skips_the_window_and_a_resume_is_bit_identical(tmp_path):
     with poisoned(4, global_batch=8, dp=1):  # update 5
-        tasks.run(make_config(ROLLBACK, run_dir=tmp_path / "straight"))
-        tasks.run(make_config([*ROLLBACK, "train.stop_after=7"], run_dir=tmp_path / "split"))
-        tasks.run(make_config(ROLLBACK, run_dir=tmp_path / "split"))
+        dispatch.run(make_config(ROLLBACK, run_dir=tmp_path / "straight"))
+        dispatch.run(make_config([*ROLLBACK, "train.stop_after=7"], run_dir=tmp_path / "split"))
+        dispatch.run(make_config(ROLLBACK, run_dir=tmp_path / "split"))
     straight = _trajectory(tmp_path / "straight")
     assert [r[0] for r in straight] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10]
     assert straight[4][3:] == ("loss", 3)  # update 5 was bad: back to step 3
@@ -220,7 +220,7 @@ def _rollback_on_rank(run_dir: str) -> list[tuple]:
 
 def test_rollback_dp2_matches_single_process(world2, tmp_path):
     with poisoned(4, global_batch=8, dp=1):
-        tasks.run(make_config(ROLLBACK, run_dir=tmp_path / "single"))
+        dispatch.run(make_config(ROLLBACK, run_dir=tmp_path / "single"))
     ref = [(r[1], r[3]) for r in _trajectory(tmp_path / "single")]
     for got in world2.run(_rollback_on_rank, str(tmp_path / "dp2")):
         assert [g[1] for g in got] == [r[1] for r in ref]
@@ -232,7 +232,7 @@ def test_rollback_without_a_checkpoint_stops(tmp_path):
     over = [*SMALL, "train.steps=4", "train.on_nonfinite=rollback"]
     with poisoned(1, global_batch=4, dp=1), pytest.raises(
             NonFiniteError, match=r"step 2: non-finite loss .*no checkpoint to roll back to"):
-        tasks.run(make_config(over, run_dir=tmp_path))
+        dispatch.run(make_config(over, run_dir=tmp_path))
 
 
 # -- checkpoints and config --------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_a_non_finite_router_loss_is_named_with_its_coefficient(tmp_path):
     over = ["model=debug_moe", "train=debug", "data.max_bytes=200000", "logger.wandb=disabled",
             "train.eval_every=0", "train.steps=3", "model.moe.z_loss_coef=1e39"]
     with pytest.raises(NonFiniteError) as stopped:
-        tasks.run(make_config(over, run_dir=tmp_path))
+        dispatch.run(make_config(over, run_dir=tmp_path))
     text = str(stopped.value)
     assert text.startswith("step 1: non-finite MoE router loss: router z-loss=inf with "
                            "model.moe.z_loss_coef=1e+39"), text

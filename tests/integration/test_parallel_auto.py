@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.metrics.logger import read_jsonl
 from hpctrain.plan.predict import predicted_peak
 from hpctrain.plan.search import GIB
@@ -31,14 +31,14 @@ def test_memory_check_refuses_over_and_runs_just_under_then_auto_matches_it(tmp_
     cfg = make_config(SMALL, run_dir=tmp_path / "probe")
     need = predicted_peak(cfg)["total"] / GIB / 0.9  # headroom 0.1
     with pytest.raises(ValueError, match="is predicted to need") as refused:  # before launch
-        tasks.run(make_config([*SMALL, f"plan.memory_limit_gb={need * 0.95}"],
+        dispatch.run(make_config([*SMALL, f"plan.memory_limit_gb={need * 0.95}"],
                               run_dir=tmp_path / "over"))
     assert "parallel=auto (it would run" in str(refused.value)
     assert "plan.force=true" in str(refused.value)
     assert not (tmp_path / "over" / "metrics.jsonl").exists()
 
     single = tmp_path / "single"  # just under the limit: runs (in process, one rank)
-    tasks.run(make_config([*SMALL, f"plan.memory_limit_gb={need * 1.02}"], run_dir=single))
+    dispatch.run(make_config([*SMALL, f"plan.memory_limit_gb={need * 1.02}"], run_dir=single))
     ref = _losses(single)
     assert len(ref) == 4
 

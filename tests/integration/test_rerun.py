@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hpctrain import tasks
-from hpctrain.config import OptimConfig
+from hpctrain import dispatch
+from hpctrain.config.schema import OptimConfig
 from hpctrain.metrics.logger import read_jsonl
 from hpctrain.train.continuation import schedule_change
 from tests.conftest import make_config
@@ -14,19 +14,19 @@ SMALL = ["model=debug", "train=debug", "data.max_bytes=300000", "logger.wandb=di
 
 def test_rerun_keeps_summary_and_longer_run_states_schedule(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    tasks.run(make_config([*SMALL, "train.steps=3", "train.stop_after=2"], run_dir=run_dir))
+    dispatch.run(make_config([*SMALL, "train.steps=3", "train.stop_after=2"], run_dir=run_dir))
     assert "stopped early after step 2 of train.steps=3" in capfd.readouterr().err
-    first = tasks.run(make_config([*SMALL, "train.steps=3"], run_dir=run_dir))
+    first = dispatch.run(make_config([*SMALL, "train.steps=3"], run_dir=run_dir))
     before = (run_dir / "summary.json").read_text()
     assert first["final_eval_loss"] is not None
     capfd.readouterr()
-    again = tasks.run(make_config([*SMALL, "train.steps=3"], run_dir=run_dir))
+    again = dispatch.run(make_config([*SMALL, "train.steps=3"], run_dir=run_dir))
     err = capfd.readouterr().err
     assert (run_dir / "summary.json").read_text() == before
     assert again["final_loss"] == first["final_loss"]
     assert "is complete at step 3" in err and "train.steps=6" in err
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3
-    longer = tasks.run(make_config([*SMALL, "train.steps=5"], run_dir=run_dir))
+    longer = dispatch.run(make_config([*SMALL, "train.steps=5"], run_dir=run_dir))
     assert longer["completed_steps"] == 5
     assert "train.steps changed from 3 to 5" in capfd.readouterr().err
 

@@ -10,7 +10,8 @@ import sys
 
 import pexpect
 
-from hpctrain.cli import format_result, group_help
+from hpctrain.config.cli import group_help
+from hpctrain.dispatch import format_result
 from tests.conftest import ROOT
 
 RUN = ["-m", "hpctrain", "model=debug", "train=debug", "data.max_bytes=300000",

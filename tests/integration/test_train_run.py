@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import tasks
+from hpctrain import dispatch
 from hpctrain.metrics.logger import read_jsonl
 from tests import wandb_records
 from tests.conftest import ROOT, make_config
@@ -54,18 +54,18 @@ def test_bad_config_exits_before_any_rank_starts(tmp_path):
 
 def test_stop_and_resume_is_bit_identical(tmp_path):
     over = [*SMALL, "train.steps=12", "train.eval_every=0"]
-    tasks.run(make_config(over, run_dir=tmp_path / "full"))
-    tasks.run(make_config([*over, "train.stop_after=5"], run_dir=tmp_path / "split"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "full"))
+    dispatch.run(make_config([*over, "train.stop_after=5"], run_dir=tmp_path / "split"))
     assert len(_losses(tmp_path / "split")) == 5
-    tasks.run(make_config(over, run_dir=tmp_path / "split"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "split"))
     assert _losses(tmp_path / "split") == _losses(tmp_path / "full")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_tracks_fp32(precision, tmp_path):
     over = [*SMALL, "train.steps=6", "train.eval_every=0", "train.allow_slow_precision=true"]
-    tasks.run(make_config(over, run_dir=tmp_path / "fp32"))
-    tasks.run(make_config([*over, f"train.precision={precision}"], run_dir=tmp_path / "mp"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "fp32"))
+    dispatch.run(make_config([*over, f"train.precision={precision}"], run_dir=tmp_path / "mp"))
     ref, got = _losses(tmp_path / "fp32"), _losses(tmp_path / "mp")
     assert all(abs(a - b) < 0.05 * a for a, b in zip(ref, got, strict=True)), (ref, got)
 
@@ -87,7 +87,7 @@ def _train_on_rank(overrides: list[str], run_dir: str) -> list[float]:
 
 def test_dp2_matches_single_process(world2, tmp_path):
     over = [*SMALL, "train.steps=6", "train.eval_every=0", "train.global_batch_size=8"]
-    tasks.run(make_config(over, run_dir=tmp_path / "single"))
+    dispatch.run(make_config(over, run_dir=tmp_path / "single"))
     dp2 = [*over, "parallel=dp2", "cluster.procs_per_node=2"]
     got = world2.run(_train_on_rank, dp2, str(tmp_path / "dp2"))[0]
     ref = _losses(tmp_path / "single")

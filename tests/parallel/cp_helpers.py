@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hpctrain.models import ModelConfig, build_model
 from hpctrain.models.checkpointing import apply_activation_checkpointing
 from hpctrain.models.config import MoEConfig
-from hpctrain.models.moe import take_router_loss
+from hpctrain.models.moe.layer import take_router_loss
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.parallel.context.apply import apply_context_parallel
 from hpctrain.parallel.context.ring import RingComm, block_mask, ring_bytes

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.models import PRESETS, build_model
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.zero import NormSpec
@@ -164,7 +164,7 @@ def trajectory(steps: int, *, precision: str, comm: str = "fp32", zero: int = 2)
 
 def save_then_continue(path: str, *, zero: int, accum: int):
     """Train 2 steps, save, train 1 more: (loss of step 3, params after it)."""
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=zero, dtype=torch.float64)
@@ -179,7 +179,7 @@ def save_then_continue(path: str, *, zero: int, accum: int):
 
 
 def load_and_continue(path: str, *, zero: int, accum: int):
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     model, engine = make_engine(zero=zero, dtype=torch.float64)

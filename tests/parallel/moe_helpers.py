@@ -15,7 +15,7 @@ from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh, group_rank
 from hpctrain.models import PRESETS, build_model
 from hpctrain.models.config import MoEConfig
-from hpctrain.models.moe import take_moe_stats, take_router_loss
+from hpctrain.models.moe.layer import take_moe_stats, take_router_loss
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.data.zero import NormSpec
 from hpctrain.parallel.moe import apply_expert_parallel
@@ -152,8 +152,8 @@ def _steps(engine, first: int, last: int) -> float:
 
 def save_at_ep(path: str, ep: int, *, zero: int):
     """fp64: 2 steps at `ep`, save, 1 more step: (loss of step 3, full params after it)."""
+    from hpctrain.checkpoint import save_load as ckpt
     from hpctrain.parallel.data.state import full_model_state
-    from hpctrain.train import checkpoint as ckpt
 
     mesh, model, engine = _parallel(ep, zero=zero, dtype=torch.float64, capacity=0.0)
     _steps(engine, 0, 2)
@@ -165,8 +165,8 @@ def save_at_ep(path: str, ep: int, *, zero: int):
 
 def resume_at_ep(path: str, ep: int, *, zero: int):
     """Load the step-2 checkpoint at `ep` and take step 3: (its loss, full params after it)."""
+    from hpctrain.checkpoint import save_load as ckpt
     from hpctrain.parallel.data.state import full_model_state
-    from hpctrain.train import checkpoint as ckpt
 
     mesh, model, engine = _parallel(ep, zero=zero, dtype=torch.float64, capacity=0.0)
     state, _ = ckpt.load(ckpt.checkpoint_dir(path, 2), parallel=_state(mesh, model, engine))

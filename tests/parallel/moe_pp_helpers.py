@@ -17,7 +17,7 @@ from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh, group_rank, own_group
 from hpctrain.metrics.moe import moe_metrics
 from hpctrain.models import build_model
-from hpctrain.models.moe import MoE, take_moe_stats, take_router_loss
+from hpctrain.models.moe.layer import MoE, take_moe_stats, take_router_loss
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.outliers import find_outliers, gemm_rank_scores
+from hpctrain.config.bench import BenchConfig
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh
 from tests.conftest import ROOT

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain import tasks
+from hpctrain import dispatch
+from hpctrain.checkpoint import manifest
 from hpctrain.metrics.logger import read_jsonl
-from hpctrain.train import manifest
 from tests.conftest import make_config
 from tests.parallel.trainer_runs import run_trainer
 
@@ -40,8 +40,8 @@ def _losses(run_dir: Path) -> list[float]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """An uninterrupted run and one stopped after step 4 (checkpoints at 2 and 4)."""
     root = tmp_path_factory.mktemp("ckpt_faults")
-    tasks.run(make_config(OVER, run_dir=root / "full"))
-    tasks.run(make_config([*OVER, "train.stop_after=4"], run_dir=root / "split"))
+    dispatch.run(make_config(OVER, run_dir=root / "full"))
+    dispatch.run(make_config([*OVER, "train.stop_after=4"], run_dir=root / "split"))
     return {"full": root / "full", "split": root / "split"}
 
 
@@ -115,8 +115,8 @@ def test_damaged_newest_checkpoint_falls_back_bit_identically(runs, tmp_path, da
     run_dir = _copy(runs, tmp_path)
     apply, reason = DAMAGES[damage]
     apply(run_dir / NEWEST)
-    with _Lines("hpctrain.train.checkpoint") as log:
-        tasks.run(make_config(OVER, run_dir=run_dir))
+    with _Lines("hpctrain.checkpoint.save_load") as log:
+        dispatch.run(make_config(OVER, run_dir=run_dir))
     skips = [ln for ln in log.lines if ln.startswith("skipping")]
     assert len(skips) == 1 and skips[0].startswith(f"skipping {NEWEST}: "), log.lines
     assert reason in skips[0], skips
@@ -134,7 +134,7 @@ def test_killed_mid_save_resumes_from_the_previous_and_clears_the_leftovers(runs
     (run_dir / NEWEST).rename(partial)
     (partial / manifest.MANIFEST).unlink()
     (partial / "rank_00007.pt").write_bytes(b"left by a killed save of 8 ranks")
-    tasks.run(make_config(OVER, run_dir=run_dir))
+    dispatch.run(make_config(OVER, run_dir=run_dir))
     assert _losses(run_dir) == _losses(runs["full"])
     assert not partial.exists()
     assert "rank_00007.pt" not in manifest.verify(run_dir / NEWEST).manifest["files"]
@@ -146,7 +146,7 @@ def test_damaged_explicit_checkpoint_stops_with_the_reason(runs, tmp_path):
     before = _losses(run_dir)
     with pytest.raises(ValueError, match=r"does not verify: file __0_0.distcp sha256 mismatch"
                                          r".*train.resume=never"):
-        tasks.run(make_config([*OVER, f"train.resume={run_dir / NEWEST}"], run_dir=run_dir))
+        dispatch.run(make_config([*OVER, f"train.resume={run_dir / NEWEST}"], run_dir=run_dir))
     assert _losses(run_dir) == before  # nothing trained, nothing written
 
 
@@ -156,14 +156,14 @@ def test_no_verified_checkpoint_stops_instead_of_starting_over(runs, tmp_path):
         (ckpt / manifest.MANIFEST).unlink()
     with pytest.raises(ValueError, match=r"none of the 2 checkpoints .* verifies.*"
                                          r"train.resume=never"):
-        tasks.run(make_config(OVER, run_dir=run_dir))
+        dispatch.run(make_config(OVER, run_dir=run_dir))
 
 
 def test_other_model_shape_is_refused_with_the_fix(runs, tmp_path):
     run_dir = _copy(runs, tmp_path)
     with pytest.raises(ValueError, match=r"another model shape \(model.n_layers=4 in the "
                                          r"checkpoint, 2 in this run\).*train.resume=never"):
-        tasks.run(make_config([*OVER, "model.n_layers=2"], run_dir=run_dir))
+        dispatch.run(make_config([*OVER, "model.n_layers=2"], run_dir=run_dir))
 
 
 class _Payload:
@@ -197,8 +197,8 @@ def test_crafted_pickle_never_runs(runs, tmp_path, name, fix_manifest):
         # run falls back to the previous checkpoint as for any damage (one line, no advice)
         refusal = ("Unsupported global: GLOBAL exec" if name.endswith(".pt")
                    else "builtins.exec is not part of a DCP index")
-        with _Lines("hpctrain.train.checkpoint") as log:
-            tasks.run(make_config(OVER, run_dir=run_dir))
+        with _Lines("hpctrain.checkpoint.save_load") as log:
+            dispatch.run(make_config(OVER, run_dir=run_dir))
         skips = [ln for ln in log.lines if ln.startswith("skipping")]
         assert len(skips) == 1 and skips[0].startswith(f"skipping {NEWEST}: "), log.lines
         assert f"refused to load it (UnpicklingError: {refusal})" in skips[0], skips
@@ -206,10 +206,10 @@ def test_crafted_pickle_never_runs(runs, tmp_path, name, fix_manifest):
         with pytest.raises(ValueError, match=r"verifies but rank 0 refused to load it "
                                              rf"\(UnpicklingError: {refusal}\)"):
             _plant(run_dir / NEWEST, name, marker, fix_manifest=True)  # saved again: re-plant
-            tasks.run(make_config([*OVER, f"train.resume={run_dir / NEWEST}"],
+            dispatch.run(make_config([*OVER, f"train.resume={run_dir / NEWEST}"],
                                   run_dir=run_dir))  # an explicit checkpoint stops
     else:  # never unpickled at all: skipped like any damage
-        tasks.run(make_config(OVER, run_dir=run_dir))
+        dispatch.run(make_config(OVER, run_dir=run_dir))
     assert _losses(run_dir) == _losses(runs["full"])
     assert not marker.exists()
     if fix_manifest:  # the payload is live: a plain unpickler would have run it

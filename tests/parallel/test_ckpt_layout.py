@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.train import checkpoint as ckpt
+from hpctrain.checkpoint import save_load as ckpt
 from tests.conftest import ROOT, get_world
 from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory, train_in_world
 

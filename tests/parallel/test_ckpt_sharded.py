@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from hpctrain.checkpoint.shards import optimizer_flats, unit_chunks
 from hpctrain.models import build_model
-from hpctrain.train.ckpt_shards import optimizer_flats, unit_chunks
 from tests.parallel.trainer_runs import run_trainer
 
 LAYOUTS = {

@@ -1,5 +1,5 @@
-"""The composition matrix, run: every pair of features that hpctrain.validate accepts
-(hpctrain.compat) is trained together, inside one of the runs `compat.covering_runs` groups
+"""The composition matrix, run: every pair of features that hpctrain.config.validate accepts
+(hpctrain.tasks.compat) is trained together, inside one of the runs `compat.covering_runs` groups
 the pairs into, and each run's loss and gradient norm per step follow the single process
 (the same model, data, precision and experts, one rank, no checkpointing, eager) from the
 same seed. Each run trains the very Config the matrix validated (`compat.config`), built
@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-from hpctrain import compat
+from hpctrain.tasks import compat
 from tests.conftest import get_world
 from tests.parallel.compat_runs import trajectory
 from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory

@@ -127,7 +127,7 @@ def test_cp2_pp2_trainer_matches_single_process(world4, tmp_path, single, schedu
 
 
 def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
     from tests.conftest import get_world
 
     saved = tmp_path / "saved"
@@ -139,7 +139,7 @@ def test_cp2_checkpoint_resumes_at_cp1(world2, tmp_path, single):
 
 
 def test_cp1_checkpoint_resumes_at_cp2(world2, tmp_path, single):
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
     from tests.conftest import get_world
 
     saved = tmp_path / "saved"

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpctrain.checkpoint import save_load as ckpt
 from hpctrain.models import PRESETS, build_model
 from hpctrain.ops.fp8 import Fp8Spec
 from hpctrain.ops.linear import linear
@@ -23,7 +24,6 @@ from hpctrain.parallel.tensor import (
     sync_tp_grads,
     vocab_parallel_cross_entropy,
 )
-from hpctrain.train import checkpoint as ckpt
 from tests.conftest import get_world
 from tests.parallel.test_tp_model import _batch, _expected
 from tests.parallel.tp_reference import max_err, shard, tp_group

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hpctrain.tasks import launch
+from hpctrain.dispatch import launch
 from tests.conftest import get_world, make_config
 from tests.hf_models import save_tiny_llama
 from tests.parallel.test_hf_import import _first_step

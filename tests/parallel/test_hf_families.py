@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from hpctrain.tasks import launch
-from hpctrain.train.one_device import load_one_device
+from hpctrain.checkpoint.one_device import load_one_device
+from hpctrain.dispatch import launch
 from tests.conftest import make_config
 from tests.hf_models import FAMILIES
 from tests.parallel.test_hf_import import _first_step, _hf_loss

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpctrain.train import checkpoint as ckpt
+from hpctrain.checkpoint import save_load as ckpt
 from tests.conftest import get_world
 from tests.parallel import dp_helpers as h
 from tests.parallel.trainer_runs import assert_trajectory_close, logged_trajectory, train_in_world

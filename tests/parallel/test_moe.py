@@ -151,7 +151,7 @@ def test_fp8_experts_at_ep2_follow_ep1(world2, tmp_path):
 def test_pp2_ep2_checkpoint_resumes_on_one_rank(world4, tmp_path):
     """A checkpoint of pp=2 × dp=2 with ep=2 (experts sharded over the dp ranks of each stage,
     ZeRO-1) resumes on one rank (ep=1) and continues the uninterrupted trajectory (fp32)."""
-    from hpctrain.train import checkpoint as ckpt
+    from hpctrain.checkpoint import save_load as ckpt
     from tests.conftest import get_world
     from tests.parallel.trainer_runs import assert_trajectory_close, train_in_world
 

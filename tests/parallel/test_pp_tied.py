@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from hpctrain.train import checkpoint as ckpt
+from hpctrain.checkpoint import save_load as ckpt
 from tests.conftest import get_world
 from tests.parallel.trainer_runs import assert_trajectory_close, train_in_world
 

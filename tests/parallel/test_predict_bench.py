@@ -9,7 +9,7 @@ import torch
 
 from hpctrain.plan.calibrate import calibrated_cluster
 from hpctrain.plan.predict import predict_run
-from hpctrain.plan.task import run_plan
+from hpctrain.tasks.plan import run_plan
 from tests.conftest import ROOT, make_config
 
 

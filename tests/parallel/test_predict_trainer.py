@@ -45,7 +45,7 @@ def _train(overrides: list[str], run_dir: str):
     mesh = build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), rank=dist.get_rank(),
                       device=torch.device("cpu"))
     prediction = RunPrediction(cfg, device=mesh.device, logging_rank=mesh.is_logging_rank)
-    trainer = Trainer(cfg, mesh, prediction=prediction)  # as hpctrain.tasks.train_task does
+    trainer = Trainer(cfg, mesh, prediction=prediction)  # as hpctrain.tasks.train.run_train does
     summary = trainer.run()
     padding = trainer.dp.padding() if trainer.dp is not None else None
     return summary, trainer.memory_metrics(), padding

@@ -17,7 +17,7 @@ def _resume(overrides: list[str], run_dir: str, steps: int):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logger = logging.getLogger("hpctrain.train.resume_changes")
+    logger = logging.getLogger("hpctrain.checkpoint.resume_changes")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
@@ -47,7 +47,7 @@ def test_exact_changes_are_logged_and_inexact_ones_refused(tmp_path):
 def test_what_counts_as_inexact():
     """None: a checkpoint of an older hpctrain records nothing to compare. Cadence and the
     invocation's own keys are quiet; the tokenizer is inexact, the batch size exact."""
-    from hpctrain.train.resume_changes import compare, recorded
+    from hpctrain.checkpoint.resume_changes import compare, recorded
     from tests.conftest import make_config
 
     cfg = make_config([], run_dir="/tmp")

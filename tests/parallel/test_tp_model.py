@@ -132,7 +132,7 @@ def _one_step_moe(sp: bool) -> dict[str, float]:
     import dataclasses
 
     from hpctrain.models.config import MoEConfig
-    from hpctrain.models.moe import take_moe_stats, take_router_loss
+    from hpctrain.models.moe.layer import take_moe_stats, take_router_loss
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_coef=0.5,
                     z_loss_coef=0.1)

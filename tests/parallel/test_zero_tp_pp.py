@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.train import checkpoint as ckpt
+from hpctrain.checkpoint import save_load as ckpt
 from tests.conftest import get_world
 from tests.parallel import zero_tp_helpers as z
 from tests.parallel.trainer_runs import logged_trajectory, train_in_world

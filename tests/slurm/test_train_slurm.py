@@ -52,11 +52,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 def _local_reference(overrides: list[str], run_dir: Path) -> list[tuple[int, float]]:
     from hpctrain.data.prepare import prepare
     from hpctrain.launch.local import launch_local
-    from hpctrain.tasks import RANK_TASKS
+    from hpctrain.tasks import TASKS
 
     cfg = make_config(overrides, run_dir=run_dir)
     prepare(cfg.data)
-    launch_local(cfg, RANK_TASKS["train"])
+    launch_local(cfg, TASKS["train"].run)
     return _losses(run_dir)
 
 
@@ -274,7 +274,7 @@ def test_sweep_summary_with_a_failing_point(slurm_cluster, tmp_path):
     assert "| 1 | ok | optim.lr=0.003 |" in table and "| 0 | ok |" in table
     assert "point 2 failed" in table
     assert "sweep summary" in proc.stderr + proc.stdout
-    from hpctrain.parse import sweep_group
+    from hpctrain.config.parse import sweep_group
 
     cfg = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert cfg["run_dir"] == str(tmp_path / "0")

@@ -1,4 +1,5 @@
-"""Every bad input is refused by `hpctrain.parse.parse`: one ValueError naming the key and the fix.
+"""Every bad input is refused by `hpctrain.tasks.configure.parse`: one ValueError naming the key
+and the fix.
 
 Each row of BAD is a mistake a user makes (or a relative of one): the overrides, then words
 the single message must contain — the key (with its value) and the fix. `{d}` is a folder
@@ -13,8 +14,8 @@ import typing
 
 import pytest
 
-from hpctrain.config import _GROUPS
-from hpctrain.validate_keys import RANGES
+from hpctrain.config.schema import _GROUPS
+from hpctrain.config.validate.keys import RANGES
 from tests.conftest import make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir, tiktoken_file
 
@@ -382,15 +383,15 @@ def _numeric_keys(prefix: str, cls) -> list[str]:
 @pytest.mark.parametrize("group", sorted(_GROUPS))
 def test_every_numeric_key_has_a_range(group):
     missing = [key for key in _numeric_keys(group, _GROUPS[group]) if key not in RANGES]
-    assert not missing, f"add these keys to hpctrain.validate_keys.RANGES: {missing}"
+    assert not missing, f"add these keys to hpctrain.config.validate.keys.RANGES: {missing}"
 
 
 def test_predicted_split_is_what_prepare_writes(tmp_path):
     """The parse-time size (byte tokenizer, from file sizes; an empty file is skipped) equals
     the prepared one, whatever the shards."""
-    from hpctrain.config import DataConfig
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.data.checks import tokens_of
     from hpctrain.data.prepare import predicted_split, prepare
-    from hpctrain.validate_inputs import tokens_of
 
     for i, size in enumerate((0, 1, 700, 3000)):
         (tmp_path / f"{i}.txt").write_bytes(b"z" * size)
@@ -406,12 +407,12 @@ def test_predicted_split_is_what_prepare_writes(tmp_path):
 
 
 def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):
-    """stdlib text is not predicted: tasks.preflight prepares it, then refuses it."""
-    from hpctrain import tasks
+    """stdlib text is not predicted: dispatch.preflight prepares it, then refuses it."""
+    from hpctrain import dispatch
 
     cfg = make_config(["data.max_bytes=100", f"data.cache_dir={tmp_path}"], run_dir=tmp_path)
     with pytest.raises(ValueError) as info:
-        tasks.preflight(cfg)
+        dispatch.preflight(cfg)
     message = str(info.value)
     assert "train split holds" in message and "= 2049" in message
     assert "data.max_bytes=100" in message and "prepared data:" in message

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.bench.comm import bus_bandwidth
-from hpctrain.bench.config import BenchConfig
 from hpctrain.bench.gemm import model_shapes
 from hpctrain.bench.outliers import (
     exclude_line,
@@ -14,6 +13,7 @@ from hpctrain.bench.outliers import (
     nodes_to_exclude,
 )
 from hpctrain.bench.p2p import round_robin
+from hpctrain.config.bench import BenchConfig
 from hpctrain.models.config import PRESETS
 from tests.conftest import CONF, compose, make_config
 

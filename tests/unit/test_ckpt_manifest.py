@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checkpoint import catalog, manifest
+from hpctrain.checkpoint.manifest import Unverified
 from hpctrain.models.config import ModelConfig
-from hpctrain.train import ckpt_catalog as catalog
-from hpctrain.train import manifest
-from hpctrain.train.manifest import Unverified
 
 FILES = {".metadata": b"index" * 10, "__0_0.distcp": os.urandom(3000),
          "rank_00000.pt": b"rng" * 7, "train_state.json": b'{"step": 3}'}

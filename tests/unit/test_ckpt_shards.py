@@ -9,9 +9,9 @@ import random
 
 import torch
 
+from hpctrain.checkpoint.shards import boxes, full_offsets
 from hpctrain.parallel.state import WHOLE, ParamShard
 from hpctrain.parallel.tensor.plan import TpSlice
-from hpctrain.train.ckpt_shards import boxes, full_offsets
 
 
 def _check(shape: tuple[int, ...], start: int, stop: int) -> None:

@@ -1,17 +1,17 @@
-"""The composition matrix (hpctrain.compat): generated from the validation rules, equal to the
+"""The composition matrix (hpctrain.tasks.compat): generated from the validation rules, equal to the
 README's copy, and its cells what those rules say."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpctrain import compat
-from hpctrain.tasks import compat_task
+from hpctrain.tasks import compat
+from hpctrain.tasks.compat import run_compat
 from tests.conftest import ROOT, make_config
 
 
 def test_readme_table_is_the_task_output(tmp_path):
-    result = compat_task(make_config(["task=compat"], run_dir=tmp_path))
+    result = run_compat(make_config(["task=compat"], run_dir=tmp_path))
     assert (tmp_path / "compat.md").read_text(encoding="utf-8") == result["text"] + "\n"
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert compat.readme_section(readme) == result["text"], (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.config_build import build
+from hpctrain.config.build import build
 from hpctrain.models.config import PRESETS, ModelConfig
 from tests.conftest import CONF, ROOT, compose, make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir
@@ -122,7 +122,7 @@ def test_several_mistakes_are_reported_together(tmp_path):
 
 
 def test_unknown_key_in_a_group_file_suggests_the_fix():
-    from hpctrain.config import from_dict
+    from hpctrain.config.schema import from_dict
 
     with pytest.raises(ValueError, match="unknown key train.stpes.*Did you mean train.steps"):
         from_dict({"train": {"stpes": 3}}, run_dir=".")

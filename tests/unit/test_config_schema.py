@@ -1,5 +1,5 @@
 """One source of truth: the dataclasses own every key, default and choice; YAML holds only
-what differs from them (hpctrain.schema).
+what differs from them (hpctrain.config.hydra_schema).
 
 `yaml_problems` reads every option file under conf/ and reports a value that restates its
 default (the dataclass's, or the option it inherits from) and, in the default option of each
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config import _GROUPS
-from hpctrain.config_build import build
-from hpctrain.schema import SCHEMAS, defaults_of
-from hpctrain.validate_keys import REGISTRY_CHOICES, literal_table
+from hpctrain.config.build import build
+from hpctrain.config.hydra_schema import SCHEMAS, defaults_of
+from hpctrain.config.schema import _GROUPS
+from hpctrain.config.validate.keys import REGISTRY_CHOICES, literal_table
 from tests.conftest import CONF, compose
 
 

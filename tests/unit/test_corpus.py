@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from hpctrain.config import Corpus, DataConfig
+from hpctrain.config.schema import Corpus, DataConfig
 from hpctrain.data.prepare import BYTE_EOD, prepare
 
 

@@ -53,7 +53,7 @@ def test_flash_under_cp_is_checked_for_a_known_flash_attn(tmp_path, monkeypatch)
     import dataclasses
     import importlib.metadata
 
-    from hpctrain.validate_cp import check_cp
+    from hpctrain.config.validate.layout import check_cp
 
     cfg = make_config(["model=debug", "train=debug", "parallel=cp2", "cluster.procs_per_node=2"],
                       run_dir=tmp_path)

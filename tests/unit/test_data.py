@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hpctrain.config import DataConfig
+from hpctrain.config.schema import DataConfig
 from hpctrain.data.dataset import Sampler, TokenDataset, batch
 from hpctrain.data.prepare import BYTE_EOD, prepare
 

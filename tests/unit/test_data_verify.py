@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain import tasks
-from hpctrain.config import DataConfig
+from hpctrain import dispatch
+from hpctrain.config.schema import DataConfig
 from hpctrain.data.prepare import prepare
 from hpctrain.data.verify import MARKER, check_token_dir
 from tests.conftest import make_config
@@ -74,11 +74,11 @@ def test_ids_outside_the_vocabulary_are_refused_with_and_without_a_manifest(prep
 def test_preflight_refuses_a_damaged_cache_before_any_rank(tmp_path):
     cfg = make_config(["model=debug", "train=debug", "data.max_bytes=200000",
                        f"data.cache_dir={tmp_path / 'cache'}"], run_dir=tmp_path / "run")
-    tasks.preflight(cfg)  # prepares and verifies
+    dispatch.preflight(cfg)  # prepares and verifies
     data_dir = prepare(cfg.data)
     with open(data_dir / "train.bin", "r+b") as f:
         f.truncate(1000)
     with pytest.raises(ValueError) as refused:
-        tasks.preflight(cfg)
+        dispatch.preflight(cfg)
     text = str(refused.value)
     assert "train.bin holds 1,000 bytes" in text and f"delete {data_dir} and run again" in text

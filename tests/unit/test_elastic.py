@@ -12,7 +12,7 @@ import pytest
 from hpctrain.distributed import hang_report, restarts
 from hpctrain.launch import elastic, requeue
 from hpctrain.launch.resolvers import job_flags
-from hpctrain.parse import runnable_problems
+from hpctrain.tasks import runnable_problems
 from tests.conftest import make_config
 
 ELASTIC = ["cluster=slurm_local", "cluster.elastic=true", "model=debug", "train=debug"]

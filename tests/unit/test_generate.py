@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.checkpoint.one_device import load_one_device
+from hpctrain.dispatch import launch
 from hpctrain.models.decode import KVCache
-from hpctrain.tasks import launch
-from hpctrain.train.generate import generate_ids
-from hpctrain.train.one_device import load_one_device
-from hpctrain.train.sampling import Sampling, next_token
+from hpctrain.tasks.generate.generate import generate_ids
+from hpctrain.tasks.generate.sampling import Sampling, next_token
 from tests.conftest import make_config
 from tests.hf_models import save_tiny_llama
 from tests.unit.tokenizer_files import hf_tokenizer_dir
@@ -132,8 +132,8 @@ def _generate(hf_dir, tmp_path, *extra):
 
 
 def test_task_generate_writes_generations_jsonl(hf_dir, tmp_path):
-    from hpctrain.cli import format_result
     from hpctrain.data.tokenizer import TokenizerSpec, load
+    from hpctrain.dispatch import format_result
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello world\nw3 w4 , hello\n")
@@ -159,7 +159,7 @@ def test_task_generate_writes_generations_jsonl(hf_dir, tmp_path):
 
 
 def test_help_names_the_keys_as_typed():
-    from hpctrain.cli import group_help
+    from hpctrain.config.cli import group_help
 
     assert group_help("generate.from").splitlines()[1] == "  generate.from = null"
     assert "  generate.top_p = 1.0   range: in (0, 1]" in group_help("generate").splitlines()
@@ -171,7 +171,7 @@ def _checkpointed_run(run, hf_dir, *, step: int = 5):
     config naming the directory's tokenizer."""
     import torch.distributed.checkpoint as dcp
 
-    from hpctrain.train import manifest
+    from hpctrain.checkpoint import manifest
 
     loaded = load_one_device(init_from=str(hf_dir))
     path = run / "checkpoints" / f"step_{step:08d}"
@@ -247,9 +247,9 @@ def test_refusals_once_the_model_and_prompts_are_known(hf_dir, tmp_path):
 
 
 def test_a_runs_tokenizer_comes_from_its_saved_config(tmp_path):
-    from hpctrain.config import DataConfig
-    from hpctrain.train.generate import model_tokenizer
-    from hpctrain.train.one_device import OneDevice
+    from hpctrain.checkpoint.one_device import OneDevice
+    from hpctrain.config.schema import DataConfig
+    from hpctrain.tasks.generate.generate import model_tokenizer
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)

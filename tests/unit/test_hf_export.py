@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.tasks import launch
+from hpctrain.dispatch import launch
 from tests.conftest import make_config
 
 
@@ -23,7 +23,7 @@ def test_export_of_a_run_without_checkpoints_says_so(tmp_path):
 
 
 def test_the_runs_hf_tokenizer_directory_is_found(tmp_path):
-    from hpctrain.train.hf_export import run_tokenizer_dir
+    from hpctrain.checkpoint.hf_export import run_tokenizer_dir
 
     (tmp_path / "tok").mkdir()
     (tmp_path / "run" / ".hydra").mkdir(parents=True)

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
+from hpctrain.checkpoint.one_device import load_one_device
 from hpctrain.models import build_model
-from hpctrain.models.hf_names import expert_stack, hf_expert_name, hf_weight_name
+from hpctrain.models.llama.hf_names import expert_stack, hf_expert_name, hf_weight_name
 from hpctrain.ops.rope import inv_frequencies
-from hpctrain.train.one_device import load_one_device
 from tests.conftest import make_config
 from tests.hf_models import FAMILIES, save_tiny_llama, tiny_mistral
 
@@ -162,7 +162,7 @@ def test_model_hf_without_a_directory_says_so(tmp_path):
 
 
 def test_missing_safetensors_names_the_extra(monkeypatch, tmp_path):
-    from hpctrain.train.hf_import import safe_open_or_explain
+    from hpctrain.checkpoint.hf_import import safe_open_or_explain
 
     monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(ValueError, match=r"pip install 'hpctrain\[hf\]'"):
@@ -183,7 +183,7 @@ def test_mixtral_training_settings_are_its_own_unless_the_run_sets_them(tmp_path
 
 def test_shapes_without_an_exact_hugging_face_family_are_named():
     from hpctrain.models import PRESETS
-    from hpctrain.models.hf_config import export_family, hf_config
+    from hpctrain.models.llama.hf_config import export_family, hf_config
 
     assert export_family(PRESETS["mixtral_8x7b"]) == ("mixtral", [])
     family, why = export_family(PRESETS["debug_moe"])  # experts in every 2nd block, width 48

@@ -44,10 +44,10 @@ changed = [k for k in before if before[k] != after[k]]
 assert not changed, {k: (before[k], after[k]) for k in changed}
 assert len(names) > 100 and "hpctrain.__main__" in names, names
 
-from hpctrain import schema
+from hpctrain.config import hydra_schema
 from hpctrain.launch import resolvers
 for _ in range(2):  # what the entry point does, twice: idempotent
-    schema.register()
+    hydra_schema.register()
     resolvers.register()
 assert OmegaConf.has_resolver("hpctrain.nodes")
 cfg = OmegaConf.create({"parallel": {"dp": 4, "tp": 2, "pp": 1, "cp": 1},
@@ -74,7 +74,7 @@ if sys.argv[1] == "launcher":
     heavy = ("torch.distributed.checkpoint", "torch._dynamo", "matplotlib",
              "hpctrain.train.trainer")
 else:
-    import hpctrain.tasks, hpctrain.train.trainer  # what a training rank imports
+    import hpctrain.dispatch, hpctrain.train.trainer  # what a training rank imports
     heavy = ("torch._dynamo", "matplotlib", "hydra", "transformers", "wandb")
 print(sorted(m for m in heavy if m in sys.modules))
 """

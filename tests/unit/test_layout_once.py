@@ -12,8 +12,8 @@ import typing
 
 import pytest
 
-from hpctrain.bench.config import AxisGroup
-from hpctrain.config import ParallelConfig
+from hpctrain.config.bench import AxisGroup
+from hpctrain.config.schema import ParallelConfig
 from hpctrain.distributed.dims import GROUP_NAMES, ParallelDims
 from hpctrain.launch.resolvers import nodes_for
 from hpctrain.plan.layout import Layout

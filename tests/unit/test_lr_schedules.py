@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.train.optim import lr_at
 
 BASE = dict(lr=1.0, min_lr=0.1, warmup_steps=10)

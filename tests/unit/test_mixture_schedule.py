@@ -95,7 +95,7 @@ def test_samples_and_packed_rows_stay_inside_their_corpus(tmp_path):
     """Corpus a is only 'a' bytes, b only 'b' (documents of several lengths): a window and a
     packed row of corpus i hold its bytes and end-of-document tokens only; the val split's
     corpora are numbered the same way."""
-    from hpctrain.config import Corpus
+    from hpctrain.config.schema import Corpus
     from hpctrain.data.dataset import open_split
     from hpctrain.data.prepare import prepare
     from hpctrain.data.tokenizer import BYTE_EOD
@@ -123,8 +123,8 @@ def test_samples_and_packed_rows_stay_inside_their_corpus(tmp_path):
 
 
 def test_a_corpus_too_small_for_one_sample_is_refused_after_prepare(tmp_path):
+    from hpctrain.data.checks import check_prepared
     from hpctrain.data.prepare import prepare
-    from hpctrain.validate_inputs import check_prepared
     from tests.conftest import make_config
     from tests.unit.test_corpus import jsonl_lines
 

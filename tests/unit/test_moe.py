@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.models import PRESETS, build_model
 from hpctrain.models.config import MoEConfig
-from hpctrain.models.moe import MoE, route, take_moe_stats, take_router_loss
+from hpctrain.models.moe.layer import MoE, route, take_moe_stats, take_router_loss
 from tests.conftest import make_config
 
 
@@ -131,7 +131,7 @@ def test_debug_moe_preset_validates():
 def _balance_run(aux_coef: float, *, steps: int = 20) -> list[float]:
     """CV of tokens per expert at each step of a short run (one process, fixed seeds) whose
     router starts biased: experts 0 and 1 get + 2·(the mean router input's direction)."""
-    from hpctrain.config import OptimConfig
+    from hpctrain.config.schema import OptimConfig
     from hpctrain.parallel.data.engine import DataParallel
     from hpctrain.parallel.data.zero import NormSpec
     from hpctrain.parallel.scaler import LossScaler
@@ -172,7 +172,7 @@ def test_aux_loss_balances_the_router_and_its_absence_does_not():
 def _recompute_run(mode: str, *, steps: int = 3) -> list[tuple]:
     """(loss, grad norm, router losses, tokens per expert, forwards counted) of each step of a
     2-block all-MoE model under activation checkpointing `mode`, one process, fixed seeds."""
-    from hpctrain.config import OptimConfig
+    from hpctrain.config.schema import OptimConfig
     from hpctrain.models.checkpointing import apply_activation_checkpointing
     from hpctrain.parallel.data.engine import DataParallel
     from hpctrain.parallel.data.zero import NormSpec
@@ -218,7 +218,7 @@ def test_fp8_experts_run_each_expert_as_fp8_linears():
     """apply_fp8 marks the routed-expert groups and the shared experts (hpctrain linears; the
     router stays fp32). An expert group in FP8 computes, forward and backward, what three FP8
     linears holding that expert's weights compute, and differs from its bf16/fp32 path."""
-    from hpctrain.models.moe import Experts
+    from hpctrain.models.moe.layer import Experts
     from hpctrain.ops.fp8 import Fp8Spec
     from hpctrain.ops.linear import Linear
     from hpctrain.parallel.fp8 import apply_fp8

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hpctrain.models import build_model
 from hpctrain.models.config import ModelConfig
-from hpctrain.models.llama import block_rope
+from hpctrain.models.llama.model import block_rope
 from hpctrain.ops.documents import IGNORE_INDEX, Documents
 
 TOL = 1e-12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain.config import DataConfig
+from hpctrain.config.schema import DataConfig
 from hpctrain.data.dataset import open_split
 from hpctrain.data.packing import document_pieces, pack_rows
 from hpctrain.data.prepare import BYTE_EOD, prepare

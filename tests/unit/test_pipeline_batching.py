@@ -44,16 +44,16 @@ def test_comm_groups_keep_order():
 def test_nccl_check_in_validation(schedule, refused, tmp_path):
     import dataclasses
 
-    from hpctrain.validate_pipeline import _nccl_p2p_problems
+    from hpctrain.config.validate.pipeline import nccl_p2p_problems
     from tests.conftest import make_config
 
     cfg = make_config(["parallel=pp2", "cluster.procs_per_node=2", "model=debug",
                        f"parallel.schedule={schedule}", "train.global_batch_size=16",
                        "train.micro_batch_size=4"], run_dir=tmp_path)
     sched = build_schedule(schedule, pp=2, microbatches=cfg.grad_accum)
-    assert _nccl_p2p_problems(cfg, sched) == []  # gloo: tagged isend/recv, no constraint
+    assert nccl_p2p_problems(cfg, sched) == []  # gloo: tagged isend/recv, no constraint
     nccl = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, backend="nccl"))
-    problems = _nccl_p2p_problems(nccl, sched)
+    problems = nccl_p2p_problems(nccl, sched)
     assert bool(problems) == refused, problems
     if refused:
         assert "on NCCL use parallel.schedule=1f1b, zb_h1 or gpipe" in problems[0]

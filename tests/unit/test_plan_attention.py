@@ -66,7 +66,7 @@ def test_batch_counts_real_tokens_documents_and_squared_lengths():
 def test_plan_task_counts_document_tokens(tmp_path):
     """task=plan with plan.document_tokens: fewer attention FLOPs, a shorter predicted step and
     the same memory; a bad value is refused with the key."""
-    from hpctrain.plan.task import run_plan
+    from hpctrain.tasks.plan import run_plan
     from tests.conftest import make_config
 
     base = ["task=plan", "model=llama3_8b", "cluster.accelerator=H100-SXM",

@@ -12,7 +12,7 @@ from hpctrain.models.config import PRESETS
 from hpctrain.plan.calibrate_run import read_run, refine
 from hpctrain.plan.cluster import dgx_h100_cluster
 from hpctrain.plan.kernels import roofline
-from hpctrain.plan.task import run_plan
+from hpctrain.tasks.plan import run_plan
 from tests.conftest import make_config
 from tests.unit.test_plan_task import LLAMA8B
 

@@ -86,8 +86,8 @@ def test_allgather_traffic_is_charged_in_full_and_full_recompute_reruns_the_forw
 def test_the_plan_reads_cp_comm_from_the_config():
     from types import SimpleNamespace
 
-    from hpctrain.config import ParallelConfig
-    from hpctrain.plan.task import layout_of
+    from hpctrain.config.schema import ParallelConfig
+    from hpctrain.plan.inputs import layout_of
 
     cfg = SimpleNamespace(parallel=ParallelConfig(cp=2, cp_comm="allgather"))
     assert layout_of(cfg).cp_comm == "allgather"

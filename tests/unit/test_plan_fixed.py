@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from hpctrain.parse import runnable_problems
 from hpctrain.plan.auto import write_plan
+from hpctrain.tasks import runnable_problems
 from tests.conftest import make_config
 
 AUTO = ["model=debug", "train=debug", "parallel=auto", "cluster.procs_per_node=4",

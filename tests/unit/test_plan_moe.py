@@ -116,7 +116,7 @@ def test_layout_refuses_ep_not_dividing_dp_or_experts():
 
 
 def test_task_plan_prints_ep_and_active_params(tmp_path):
-    from hpctrain.plan.task import run_plan
+    from hpctrain.tasks.plan import run_plan
 
     cfg = make_config(["task=plan", "model=mixtral_8x7b", "cluster.accelerator=H100-SXM",
                        "cluster.procs_per_node=8", "parallel.dp=8", "parallel.ep=4",

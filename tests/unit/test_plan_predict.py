@@ -120,9 +120,9 @@ def test_search_and_run_prediction_are_one_model(over, tmp_path):
     pre-launch check and the run's prediction use (plan.rank_memory), so `fits` is one
     verdict: the candidate of the config's own layout equals predicted_peak term by term."""
     from hpctrain.plan.cluster import dgx_h100_cluster
+    from hpctrain.plan.inputs import layout_of
     from hpctrain.plan.predict import predicted_peak, predicted_states
     from hpctrain.plan.search import evaluate_layout
-    from hpctrain.plan.task import layout_of
     from tests.conftest import make_config
 
     n = 2 if over else 1

@@ -55,14 +55,14 @@ def test_task_plan_fits_against_the_memory_less_the_headroom(tmp_path):
     """task=plan judges fits against the limit less plan.headroom, as parallel=auto and the
     pre-launch check do (it used to read "yes" up to the whole device): a layout at 95% of the
     usable memory fits, one at 105% (still under the limit itself) does not."""
-    from hpctrain import tasks
+    from hpctrain.tasks.plan import run_plan
     from tests.conftest import make_config
 
     base = ["task=plan", "model=debug", "train=debug", "cluster.accelerator=H100-SXM"]
-    need = tasks.plan_task(make_config(base, run_dir=tmp_path))["memory_bytes"]["total"]
+    need = run_plan(make_config(base, run_dir=tmp_path))["memory_bytes"]["total"]
     for share, fits in ((0.95, True), (1.05, False)):
         limit_gb = need / share / 0.9 / 2**30  # usable = 0.9 × limit = need / share
-        report = tasks.plan_task(make_config([*base, f"plan.memory_limit_gb={limit_gb}"],
+        report = run_plan(make_config([*base, f"plan.memory_limit_gb={limit_gb}"],
                                              run_dir=tmp_path))
         assert need < limit_gb * 2**30 and report["fits"] is fits, share
         assert f"fits             {'yes' if fits else 'NO'} (" in report["text"]

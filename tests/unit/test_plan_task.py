@@ -46,7 +46,7 @@ def test_plan_mistakes_are_clear(overrides, message, tmp_path):
 
 
 def test_pipeline_in_flight_comes_from_the_simulator(tmp_path):
-    from hpctrain.plan.task import simulated_in_flight
+    from hpctrain.plan.inputs import simulated_in_flight
 
     cfg = make_config([*LLAMA8B, "parallel.dp=2", "parallel.pp=4", "parallel.schedule=zb_h2"],
                       run_dir=tmp_path)

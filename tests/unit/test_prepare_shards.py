@@ -91,13 +91,13 @@ def test_progress_lines_and_summary(tmp_path, monkeypatch, caplog):
 
 
 def test_task_prepare_runs_alone(tmp_path):
-    from hpctrain import tasks
+    from hpctrain import dispatch
 
     corpus = _corpus(tmp_path, n=1)
     cfg = make_config(["task=prepare", "data=files", f"data.paths=[{corpus}]",
                        "data.format=jsonl", f"data.cache_dir={tmp_path / 'cache'}"],
                       run_dir=tmp_path)
-    result = tasks.run(cfg)
+    result = dispatch.run(cfg)
     assert result["documents"] == 3 and result["train_tokens"] > 0
     assert (tmp_path / "cache" / "data").is_dir() and "data_dir" in result
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpctrain.train import safe_dcp
+from hpctrain.checkpoint import safe_load
 
 
 class _Payload:
@@ -25,7 +25,7 @@ class _Payload:
 
 
 def _load(path: Path, state: dict, *, planner) -> None:
-    dcp.load(state, storage_reader=safe_dcp.SafeReader(str(path)), planner=planner,
+    dcp.load(state, storage_reader=safe_load.SafeReader(str(path)), planner=planner,
              no_dist=True)
 
 
@@ -33,10 +33,10 @@ def test_plain_entries_round_trip(tmp_path):
     saved = {"w": torch.arange(6.0).reshape(2, 3), "step": 3, "name": "abc", "lr": 0.5}
     dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
     state = {"w": torch.zeros(2, 3), "step": 0, "name": "", "lr": 0.0}
-    _load(tmp_path, state, planner=safe_dcp.SafePlanner())
+    _load(tmp_path, state, planner=safe_load.SafePlanner())
     assert torch.equal(state["w"], saved["w"])
     assert (state["step"], state["name"], state["lr"]) == (3, "abc", 0.5)
-    assert set(safe_dcp.read_metadata(tmp_path).state_dict_metadata) >= {"w"}
+    assert set(safe_load.read_metadata(tmp_path).state_dict_metadata) >= {"w"}
 
 
 def test_non_tensor_entry_never_runs_code(tmp_path):
@@ -45,7 +45,7 @@ def test_non_tensor_entry_never_runs_code(tmp_path):
              no_dist=True)
     with pytest.raises(CheckpointException) as err:
         _load(tmp_path / "c", {"w": torch.zeros(2), "evil": None},
-              planner=safe_dcp.SafePlanner())
+              planner=safe_load.SafePlanner())
     assert "Unsupported global: GLOBAL exec" in repr(err.value.failures)
     assert not marker.exists()
     _load(tmp_path / "c", {"w": torch.zeros(2), "evil": None}, planner=DefaultLoadPlanner())
@@ -57,9 +57,9 @@ def test_crafted_metadata_never_runs_code(tmp_path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(pickle.UnpicklingError, match="builtins.exec is not part of a DCP"):
-        safe_dcp.read_metadata(tmp_path)
+        safe_load.read_metadata(tmp_path)
     assert not marker.exists()
     with pytest.raises(CheckpointException) as err:
-        _load(tmp_path, {"w": torch.zeros(2)}, planner=safe_dcp.SafePlanner())
+        _load(tmp_path, {"w": torch.zeros(2)}, planner=safe_load.SafePlanner())
     assert "builtins.exec is not part of a DCP index" in repr(err.value.failures)
     assert not marker.exists()

@@ -54,7 +54,7 @@ def test_slurm_config_composes_launcher_from_cluster():
     from hydra import compose as hc
     from hydra import initialize_config_dir
 
-    from hpctrain.schema import register
+    from hpctrain.config.hydra_schema import register
     from tests.conftest import CONF
 
     register()

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from hpctrain.parallel.pipeline.sim_task import simulate_costs
+from hpctrain.config.simulate import simulate_costs
 from tests.conftest import ROOT, make_config
 
 

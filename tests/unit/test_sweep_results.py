@@ -3,8 +3,8 @@
 import json
 
 from hpctrain.launch.sweep import collect, markdown
-from hpctrain.parallel.pipeline.sim_task import run_simulate
-from hpctrain.plan.task import run_plan
+from hpctrain.tasks.plan import run_plan
+from hpctrain.tasks.simulate import run_simulate
 from tests.conftest import make_config
 
 PLAN = ["task=plan", "model=llama3_8b", "cluster.accelerator=H100-SXM", "train.seq_len=4096",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hpctrain.config import OptimConfig
+from hpctrain.config.schema import OptimConfig
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.env import from_environ, slurm_port
 from hpctrain.parallel.scaler import LossScaler
@@ -91,10 +91,9 @@ def test_summary_counts_total_and_active_parameters(tmp_path):
     """MoE runs report active parameters and say MFU counts active FLOPs; dense runs one total."""
     import dataclasses
 
-    from hpctrain.cli import format_summary
     from hpctrain.models import build_model
     from hpctrain.models.config import PRESETS
-    from hpctrain.train.outputs import summarize
+    from hpctrain.train.outputs import format_summary, summarize
     from tests.conftest import make_config
 
     cfg = make_config(["model=debug", "train=debug"], run_dir=tmp_path)
@@ -114,7 +113,7 @@ def test_summary_counts_total_and_active_parameters(tmp_path):
 def test_logger_plot_false_draws_no_plot_and_the_summary_names_none(tmp_path):
     """logger.plot=false: the run writes no training.png and its summary's outputs line does
     not name one (logger.plot=true, the default: tests/integration/test_train_run.py)."""
-    from hpctrain.cli import format_summary
+    from hpctrain.train.outputs import format_summary
     from tests.conftest import get_world
     from tests.parallel.trainer_runs import train_in_world
 

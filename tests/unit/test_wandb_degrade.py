@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hpctrain.config import LoggerConfig
+from hpctrain.config.schema import LoggerConfig
 from hpctrain.metrics.redact import Secrets
 from hpctrain.metrics.wandb_logger import WandbLogger, server_reachable
 

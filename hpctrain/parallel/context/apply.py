@@ -3,14 +3,14 @@ every block's attention core (where its family declares it) becomes a RingAttent
 the cp group. The rest of the
 model runs unchanged on the zigzag shard: RoPE reads the shard's full-row positions from its
 ShardDocuments, and every other op is per token; MoE layers route their tokens where they are
-and sum their router statistics over the cp group (hpctrain.models.moe).
+and sum their router statistics over the cp group (hpctrain.models.moe.layer).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from hpctrain.models.moe import moe_layers
+from hpctrain.models.moe.layer import moe_layers
 from hpctrain.models.registry import family_of, model_blocks
 from hpctrain.parallel.context.allgather import allgather_attention
 from hpctrain.parallel.context.ring import RingComm, ring_attention

@@ -12,7 +12,7 @@ O, lse, D) → (dq, dk, dv)), with `block` a blocks.Block and O, lse, D the row'
   backward through flex's own (flex_block.py).
 - `flash`: flash-attn's variable-length kernels over segments from the document ids, the
   backward against the row's final O and lse (flash_block.py; CUDA, and a flash-attn whose
-  private entry points hpctrain knows: hpctrain.validate_cp checks before launch).
+  private entry points hpctrain knows: hpctrain.config.validate.layout checks before launch).
 ring.block_mask skips empty blocks from the chunk indices and document boundaries alone.
 """
 

@@ -4,7 +4,7 @@ One object per rank owns the units (flat buffers), the GradReducer, the ShardedA
 zero=3, the parameter gather/free hooks. `train_step` is the trainer's step for this engine:
 each micro-batch's mean loss is weighted by its real tokens (hpctrain.parallel.step
 `loss_divisors`: the step's loss is the mean over every real token of the global batch),
-an MoE model's router losses (aux + z, hpctrain.models.moe) join each micro-batch's loss
+an MoE model's router losses (aux + z, hpctrain.models.moe.layer) join each micro-batch's loss
 before that division (the reported loss is the LM loss alone), micro-batches run under
 `reducer.no_sync()` except the last of the accumulation window, then
 the reduction is finished explicitly, the loss is averaged over dp, overflow is agreed by all
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
-from hpctrain.models.moe import take_router_loss
+from hpctrain.models.moe.layer import take_router_loss
 from hpctrain.models.registry import model_blocks
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.data.ddp import GradReducer, size_groups
@@ -161,7 +161,7 @@ class DataParallel:
         """Forward and backward of every micro-batch, its loss divided by its divisor (and
         scaled by the loss `multiplier`); returns this rank's loss sum (fp64, 0-d). The last
         backward of the accumulation window starts the reduction (overlapped) unless
-        `pre_reduce` is set. The dry run (hpctrain.plan.dryrun) calls it on meta tensors."""
+        `pre_reduce` is set. The dry run (hpctrain.tasks.dryrun.run) calls it on meta tensors."""
         device = self.units[0].device
         loss_fn = lm_loss if loss_fn is None else loss_fn  # None: the model's own loss
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)

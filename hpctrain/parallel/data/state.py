@@ -3,7 +3,7 @@
 `full_model_state` / `full_optim_state` gather every unit's master / exp_avg / exp_avg_sq
 shards into full per-parameter tensors keyed by FQN (one full copy of each tensor on every
 rank): for comparisons in tests and small consolidated exports, never for training saves —
-checkpoints write each rank's own shards (hpctrain.train.ckpt_shards).
+checkpoints write each rank's own shards (hpctrain.checkpoint.shards).
 
 `refresh_from_masters` is what a load does after the optimizer's masters and moments were
 filled in place: set the step count and rebuild the compute-dtype parameters from the masters.

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.optim.adamw import adamw
 
-from hpctrain.config import OptimConfig
 from hpctrain.parallel.data.units import FlatUnit
 from hpctrain.parallel.finite import NormVerdict, reduce_norm
 
@@ -48,8 +48,20 @@ class NormSpec:
     replicas: Mapping[int, int] = field(default_factory=dict)
 
 
+class AdamWSettings(Protocol):
+    """What the optimizer reads of the `optim` group (hpctrain.config.schema.OptimConfig):
+    the data-parallel engine takes the settings, not the run's configuration."""
+
+    name: str
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
 class ShardedAdamW:
-    def __init__(self, units: list[FlatUnit], optim: OptimConfig, *, group, norm: NormSpec,
+    def __init__(self, units: list[FlatUnit], optim: AdamWSettings, *, group, norm: NormSpec,
                  offload: str = "none"):
         if optim.name != "adamw":
             raise ValueError(f"optim.name={optim.name!r}: only 'adamw' is available")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from hpctrain.distributed.mesh import Mesh, group_size
-from hpctrain.models.moe import moe_layers
+from hpctrain.models.moe.layer import moe_layers
 from hpctrain.parallel.moe.dispatch import AllToAll, ExpertParallel
 
 

@@ -11,7 +11,7 @@ receives for its local experts; E experts, El = E/ep local experts, D model dim.
   3. regroup by local expert (a stable sort), run the local experts (`Experts.compute`), put
      the rows back in (peer, expert) order (a gather by the inverse permutation);
   4. combine: the reverse all_to_all_single → y_AD in this rank's original order.
-The router, the gate-weighted sum and the un-permutation stay in `hpctrain.models.moe.MoE`.
+The router, the gate-weighted sum and the un-permutation stay in `hpctrain.models.moe.layer.MoE`.
 `AllToAll` is an autograd Function whose backward is the reverse all-to-all (splits swapped),
 so the backward moves exactly the bytes of the forward, the other way.
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.mesh import group_rank, group_size
-from hpctrain.models.moe import Experts
+from hpctrain.models.moe.layer import Experts
 
 
 class AllToAll(torch.autograd.Function):

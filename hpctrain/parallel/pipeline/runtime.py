@@ -29,7 +29,7 @@ from there, or — when the neighbour stage lives on this rank (zbv) — the nex
 Activations are dropped from the stash as soon as their backward has run.
 
 Router losses: a stage's MoE layers leave aux + z in `MoE.pending_loss` at each training
-forward (hpctrain.models.moe); F takes the stage's sum (`take_router_loss`) and stashes it
+forward (hpctrain.models.moe.layer); F takes the stage's sum (`take_router_loss`) and stashes it
 beside the output; B/BW run `autograd.backward([out, r], [g, loss_multiplier / d_i])` — one
 backward over both roots, so gradients are exactly those of (loss_i + r_i) / d_i · multiplier
 of the single process, whatever stage the layer lives on. The router's weight and the
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hpctrain.distributed.comm import Courier, Job, Outbox, message_tag, recv
 from hpctrain.distributed.mesh import DEFAULT_TIMEOUT
-from hpctrain.models.moe import moe_layers, take_router_loss
+from hpctrain.models.moe.layer import moe_layers, take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups

@@ -131,7 +131,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
         n_ranks=pp,
         n_stages=pp * v,
         n_microbatches=m,
-        stage_to_rank=tuple(s % pp for s in range(pp * v)),
+        stage_to_rank=stage_ranks("interleaved_1f1b", pp=pp, virtual_stages=v),
         actions=tuple(per_rank),
     )
 
@@ -183,7 +183,7 @@ def zbv(pp: int, m: int) -> Schedule:
         n_ranks=pp,
         n_stages=2 * pp,
         n_microbatches=m,
-        stage_to_rank=tuple(s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)),
+        stage_to_rank=stage_ranks("zbv", pp=pp),
         actions=tuple(tuple(_zbv_rank(r, pp, m)) for r in range(pp)),
     )
 
@@ -196,7 +196,25 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zb_h2": zb_h2,
     "zbv": zbv,
 }
-_ONE_F_ONE_B_FAMILY = frozenset({"1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"})
+# Schedules that keep at most pp microbatches in flight after a warmup: they need m >= pp.
+ONE_F_ONE_B_FAMILY = frozenset({"1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"})
+# Schedules that place several model chunks on each rank (zbv always exactly two).
+INTERLEAVED = ("interleaved_1f1b", "zbv")
+
+
+def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """Model chunks (pipeline stages) each rank holds: virtual_stages for interleaved_1f1b,
+    2 for zbv, else 1."""
+    return 2 if name == "zbv" else virtual_stages if name == "interleaved_1f1b" else 1
+
+
+def stage_ranks(name: str, *, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The rank of every stage (stage → rank), as the schedule `name` places them: round robin
+    (stage s on rank s mod pp), or the V of zbv (rank r holds stages r and 2·pp − 1 − r)."""
+    n = pp * chunks_per_rank(name, virtual_stages)
+    if name == "zbv":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(n))
+    return tuple(s % pp for s in range(n))
 
 
 def _validate(name: str, *, pp: int, microbatches: int, virtual_stages: int) -> None:
@@ -208,7 +226,7 @@ def _validate(name: str, *, pp: int, microbatches: int, virtual_stages: int) -> 
         raise ValueError(f"{where}: unknown schedule; choose one of {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1:
         raise ValueError(f"{where}: pp and microbatches must be >= 1")
-    if name in _ONE_F_ONE_B_FAMILY and microbatches < pp:
+    if name in ONE_F_ONE_B_FAMILY and microbatches < pp:
         raise ValueError(
             f"{where}: a 1F1B-family schedule needs microbatches >= pp to fill the pipeline; "
             f"raise parallel.microbatches to at least {pp} or use parallel.schedule=gpipe"

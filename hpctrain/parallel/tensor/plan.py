@@ -19,6 +19,7 @@ the corresponding slice of the single-process model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from torch import nn
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.family import ModelFamily, Style
 from hpctrain.models.init import full_init
-from hpctrain.models.moe import MoE, moe_layers
+from hpctrain.models.moe.layer import MoE, moe_layers
 from hpctrain.models.registry import family_of
 from hpctrain.ops.linear import Linear
 from hpctrain.parallel.tensor.comm import CommCounter, _rank, _size
@@ -50,12 +51,26 @@ class TpSlice:
     replicas: int = 1
 
 
+# What the decoder's plan splits over tp, by model field: query heads, the SwiGLU width and
+# the vocabulary divide evenly; kv heads divide evenly or are replicated (K divides tp).
+TP_SPLIT = ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+
+
+def unsplit(model, tp: int, fields: tuple[str, ...] = TP_SPLIT) -> list[str]:
+    """The fields of `model` (among `fields`) that the plan cannot split over `tp` ranks: the
+    one statement of the rule, which validation and the planner word for their readers."""
+    def splits(name: str) -> bool:
+        n = getattr(model, name)
+        return n % tp == 0 or (name == "n_kv_heads" and tp % n == 0)
+    return [name for name in fields if not splits(name)]
+
+
 def kv_slot(n_kv_heads: int, *, tp: int, tp_rank: int) -> tuple[int, int] | None:
     """(slot, K) of the kv head this tp rank holds when the K kv heads are fewer than tp
     (each replicated on tp/K ranks); None when they split evenly."""
     if n_kv_heads % tp == 0:
         return None
-    if tp % n_kv_heads:
+    if unsplit(SimpleNamespace(n_kv_heads=n_kv_heads), tp, ("n_kv_heads",)):
         raise ValueError(f"model.n_kv_heads={n_kv_heads} and parallel.tp={tp}: kv heads must "
                          "be divisible by tp (split) or divide tp (replicated)")
     return tp_rank // (tp // n_kv_heads), n_kv_heads
@@ -206,7 +221,7 @@ def apply_tensor_parallel(model: nn.Module, *, group, sp: bool, seed: int | None
         plan.replicas[id(p)] = piece.replicas
         if piece.dim is not None and piece.parts != plan.tp:
             plan.kv_slots[id(p)] = (piece.index, piece.parts)
-    if sp and plan.tp > 1:  # MoE blocks route their sequence shard (hpctrain.models.moe)
+    if sp and plan.tp > 1:  # MoE blocks route their sequence shard (hpctrain.models.moe.layer)
         for layer in moe_layers(model):
             layer.token_group, layer.loss_share = group, 1.0 / plan.tp
     return plan
