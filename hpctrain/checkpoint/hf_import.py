@@ -9,9 +9,9 @@ and the whole model is never materialised on one rank. The compute parameters ar
 rebuilt from the masters as after a checkpoint load (`refresh_from_masters`), with the
 optimizer at step 0 and zero moments.
 
-Names: `hpctrain.models.llama.hf_names`; a tied head (`tie_word_embeddings`) that the files do not
-hold reads the embedding. A box of a stacked routed-expert weight [E, in, out] is read as the
-matching [out, in] box of each of its experts' tensors, transposed.
+Where each box is read from is the family's (`hpctrain.models.llama.hf_names.hf_pieces`): a
+renamed tensor's same box, a tied head's embedding, each expert's transposed box of a stacked
+routed-expert weight.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.shards import Chunk, optimizer_flats, unit_chunks
-from hpctrain.models.llama.hf_names import TIED_SOURCE, expert_stack, hf_expert_name, hf_weight_name
+from hpctrain.models.llama.hf_names import Piece, hf_pieces, whole
 from hpctrain.parallel.data.state import refresh_from_masters
 from hpctrain.parallel.state import ParallelState
 
@@ -60,51 +60,53 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     return out
 
 
-def hf_sources(name: str, files: dict[str, Path], directory: Path, *,
-             experts: int) -> list[str]:
-    """The Hugging Face tensors holding hpctrain weight `name`: one, or one per expert."""
-    stack = expert_stack(name)
-    names = ([hf_expert_name(stack[0], e, stack[1]) for e in range(experts)] if stack
-             else [hf_weight_name(name)])
-    if names == ["lm_head.weight"] and names[0] not in files:
-        names = [TIED_SOURCE]  # tied: the head is the embedding
-    for hf in names:
-        if hf not in files:
-            raise ValueError(f"model.init_from={directory} has no tensor {hf!r} (hpctrain's "
+def hf_sources(name: str, shape: tuple[int, ...], box: tuple[slice, ...],
+               files: dict[str, Path], directory: Path) -> list[Piece]:
+    """The pieces of the Hugging Face tensors holding box `box` of hpctrain weight `name`
+    (the family's `hf_pieces`); ValueError naming the first tensor of the whole weight the
+    directory lacks (every rank names the same one, whatever box it reads)."""
+    for piece in hf_pieces(name, shape, whole(shape), holds=files.__contains__):
+        if piece.hf not in files:
+            raise ValueError(f"model.init_from={directory} has no tensor {piece.hf!r} (hpctrain's "
                              f"{name}): is it a complete model directory of its family?")
-    return names
+    return hf_pieces(name, shape, box, holds=files.__contains__)
 
 
-def _slice(f, hf: str, want: tuple[int, ...], box: tuple[slice, ...], directory: Path):
-    piece = f.get_slice(hf)
-    shape = tuple(piece.get_shape())
-    if shape != want:
-        raise ValueError(f"model.init_from={directory}: {hf} has shape {list(shape)}, but "
-                         f"the model built from its config.json needs {list(want)}")
-    return piece[box]
+def read_piece(f, piece: Piece, directory: Path) -> torch.Tensor:
+    """`piece`'s box of its tensor in the open file `f`, after checking the tensor's shape."""
+    view = f.get_slice(piece.hf)
+    found = tuple(view.get_shape())
+    if found != piece.shape:
+        raise ValueError(f"model.init_from={directory}: {piece.hf} has shape {list(found)}, but "
+                         f"the model built from its config.json needs {list(piece.shape)}")
+    return view[piece.box]
 
 
 @torch.no_grad()
-def _read_box(opened, names: list[str], chunk: Chunk, directory: Path) -> int:
-    """Read `chunk`'s box of the tensor held by `names` (open files by name) into
-    `chunk.data`; bytes read."""
+def place(target: torch.Tensor, piece: Piece, value: torch.Tensor) -> None:
+    """Copy a piece's value into the weight's box `target` (converting as it copies: no
+    full-size temporary); an expert's row transposed."""
+    if piece.row is None:
+        target.copy_(value)
+    else:
+        target[piece.row].copy_(value.t())
+
+
+def _read_chunk(opened, chunk: Chunk, files: dict[str, Path], directory: Path) -> int:
+    """Read `chunk`'s box of its weight into `chunk.data`; bytes read."""
     box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-    if len(names) == 1 and expert_stack(chunk.path[1]) is None:
-        values = [_slice(opened(names[0]), names[0], chunk.size, box, directory)]
-        chunk.data.copy_(values[0])  # converts as it copies: no full-size temporary
-    else:  # experts box[0] of [E, in, out]: each expert's [out, in] box, transposed
-        want = (chunk.size[2], chunk.size[1])
-        values = [_slice(opened(names[e]), names[e], want, (box[2], box[1]), directory)
-                  for e in range(box[0].start, box[0].stop)]
-        for row, v in zip(chunk.data, values, strict=True):
-            row.copy_(v.t())
-    return sum(v.numel() * v.element_size() for v in values)
+    read = 0
+    for piece in hf_sources(chunk.path[1], chunk.size, box, files, directory):
+        value = read_piece(opened(piece.hf), piece, directory)
+        place(chunk.data, piece, value)
+        read += value.numel() * value.element_size()
+    return read
 
 
-def load_hf_weights(directory: str | Path, *, parallel: ParallelState, experts: int = 0) -> int:
+def load_hf_weights(directory: str | Path, *, parallel: ParallelState) -> int:
     """Collective (over each flat unit's group, as a checkpoint load): fill this rank's master
     weights from `directory`'s safetensors and refresh the compute parameters. Returns the
-    bytes this rank read (its share). `experts`: routed experts per MoE layer (model.moe)."""
+    bytes this rank read (its share)."""
     directory = Path(directory)
     files = weight_files(directory)
     safe_open = safe_open_or_explain()
@@ -120,7 +122,6 @@ def load_hf_weights(directory: str | Path, *, parallel: ParallelState, experts: 
             return handles[files[hf]]
 
         for chunk in chunks:
-            names = hf_sources(chunk.path[1], files, directory, experts=experts)
-            read += _read_box(opened, names, chunk, directory)
+            read += _read_chunk(opened, chunk, files, directory)
     refresh_from_masters(parallel.engine, steps=0)
     return read

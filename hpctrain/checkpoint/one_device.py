@@ -14,12 +14,17 @@ from typing import Any
 import torch
 
 from hpctrain.checkpoint.hf_export import find_checkpoint, read_full_model
-from hpctrain.checkpoint.hf_import import hf_sources, safe_open_or_explain, weight_files
+from hpctrain.checkpoint.hf_import import (
+    hf_sources,
+    place,
+    read_piece,
+    safe_open_or_explain,
+    weight_files,
+)
 from hpctrain.config.build import build
 from hpctrain.models import family_of
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.llama.hf_config import model_keys, read_hf_config, unsupported
-from hpctrain.models.llama.hf_names import expert_stack
 
 
 @dataclass
@@ -82,19 +87,22 @@ def _bare(shape: ModelConfig) -> torch.nn.Module:
 
 
 def _from_hf(directory: str | Path, shape: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every weight of the model, whole, read from `directory` (the family says from where)."""
     files = weight_files(directory)
     safe_open = safe_open_or_explain()
     out = {}
-    for name in _bare(shape).state_dict():
+    for name, meta in _bare(shape).state_dict().items():
         if shape.tied_embeddings and name == f"{family_of(shape).head}.weight":
             continue  # the embedding's
-        names = hf_sources(name, files, Path(directory), experts=shape.moe.num_experts)
-        tensors = []
-        for hf in names:
-            with safe_open(files[hf], framework="pt") as f:
-                tensors.append(f.get_tensor(hf))
-        out[name] = (torch.stack([t.t() for t in tensors]) if expert_stack(name)
-                     else tensors[0])
+        box = tuple(slice(0, n) for n in meta.shape)
+        for piece in hf_sources(name, tuple(meta.shape), box, files, Path(directory)):
+            with safe_open(files[piece.hf], framework="pt") as f:
+                value = read_piece(f, piece, Path(directory))
+            if piece.row is None:  # the whole weight, in the file's dtype
+                out[name] = value
+            else:  # one expert of a stacked weight
+                place(out.setdefault(name, torch.empty(meta.shape, dtype=value.dtype)), piece,
+                      value)
     return out
 
 

@@ -35,7 +35,7 @@ capacity_factor·top_k with a capacity), f_e expert width, s shared experts:
                  combine's index_add keeps (3·e·h), the expert's SwiGLU (4·e·f_e), its token
                  id, kept-slot id and gate (20); with ep > 1 the received rows' order and its
                  inverse (16). The slots are counted at the bound the dry run routes
-                 (hpctrain.models.moe.layer.bound_routing): a rank receives its own count, as under
+                 (hpctrain.models.moe.router.bound_routing): a rank receives its own count, as under
                  uniform routing (routing is data-dependent)
   shared         4·e·s·f_e
 Outside the layers, on the first stage: the token ids (8 bytes); on the last stage: the final

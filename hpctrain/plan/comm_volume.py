@@ -152,7 +152,7 @@ def _sp_replicated(model, layers, *, last: bool, ep: int) -> int:
 def _router_losses(model, layout, step, *, layers) -> Volume:
     """MoE under sp or cp (a micro-batch's tokens over a group): per block and microbatch the
     router statistics' two all-reduces of E + 1 fp32 values forward (again when recomputed)
-    and one backward (`hpctrain.models.moe.layer._group_losses`)."""
+    and one backward (`hpctrain.models.moe.router._group_losses`)."""
     n = layout.cp if layout.cp > 1 else layout.tp if layout.sp else 1
     blocks = sum(model.is_moe_layer(i) for i in layers)
     if n == 1 or not blocks:

@@ -11,14 +11,16 @@ into flat units, and each unit's layout pads Ψᵤ to dp·Sᵤ (S = ceil(Ψᵤ/d
 
 Units are the engine's: for zero < 3, consecutive groups of ≈ parallel.bucket_mb in reverse
 registration order (`hpctrain.parallel.data.ddp.size_groups`); for zero 3, one unit for the
-non-block parameters and one per transformer block. Parameter shapes come from ModelConfig,
-so this stays analytical: no model is built.
+non-block parameters and one per transformer block. The parameters are the family's own: one
+block of each kind (dense, MoE) and the two ends, built on the meta device
+(hpctrain.models.registry.meta_part: names, shapes and registration order, no memory), so a
+family's biases, q/k norms or routers are counted because the model has them, never restated.
 
 Under tp and pp the engine works the same way on the parameters a rank holds
-(`rank_param_groups`): its tp slices (hpctrain.parallel.tensor.plan: column and row weights
-1/t, the embedding and head vocab-parallel 1/t, key/value projections 1/t or one whole kv
-head when kv heads < tp, norms whole) of its pipeline chunks' blocks, the embedding on the
-rank holding the first chunk and the final norm + head on the one holding the last (with tied
+(`rank_param_groups`): its tp slices (cut by hpctrain.parallel.tensor.plan.tp_slice: column
+and row weights 1/t, the embedding and head vocab-parallel 1/t, key/value projections 1/t or
+one whole kv head when kv heads < tp, norms whole) of its pipeline chunks' blocks, the
+embedding on the rank holding the first chunk and the final norm + head on the one holding the last (with tied
 embeddings on two ranks, the head's rank keeps a copy: hpctrain.parallel.pipeline.tied).
 The busiest pipeline rank is reported.
 
@@ -31,45 +33,80 @@ experts (hpctrain.parallel.data.engine).
 
 from __future__ import annotations
 
+import math
+
+import torch
+from torch import nn
+
 from hpctrain.models.config import ModelConfig
+from hpctrain.models.family import Part
+from hpctrain.models.moe.layer import moe_layers
+from hpctrain.models.registry import family_of, meta_part
 from hpctrain.parallel.data.layout import ShardLayout
 from hpctrain.parallel.pipeline.schedules import stage_ranks
+from hpctrain.parallel.tensor.plan import kv_slot, tp_slice
 from hpctrain.plan.memory import ModelStates
 
 
+def _held_numel(model: ModelConfig, name: str, shape: torch.Size, *, tp: int) -> int:
+    """Elements of parameter `name` on a tp rank, cut as the family's tp plan cuts it
+    (hpctrain.parallel.tensor.plan.tp_slice: every tp rank holds the same count)."""
+    piece = tp_slice(name, family=family_of(model), tp=tp, tp_rank=0,
+                     kv=kv_slot(model.n_kv_heads, tp=tp, tp_rank=0))
+    return math.prod(shape) // (piece.parts if piece.dim is not None else 1)
+
+
+def _block(model: ModelConfig, layer: int) -> nn.Module:
+    """Block `layer` as the family builds it, on meta (blocks of one kind, dense or MoE, hold
+    the same shapes: the first of the kind stands for all)."""
+    first = next(i for i in range(model.n_layers)
+                 if model.is_moe_layer(i) == model.is_moe_layer(layer))
+    return meta_part(model, Part(range(first, first + 1), embed=False, head=False))
+
+
+def _routed(block: nn.Module) -> set[int]:
+    """ids of the routed experts' parameters (those expert parallelism shards)."""
+    return {id(p) for moe in moe_layers(block) for p in moe.experts.parameters()}
+
+
 def block_numels(model: ModelConfig, *, tp: int = 1, layer: int = 0, ep: int = 1) -> list[int]:
-    """Parameter sizes of Block `layer` on a tp rank, in registration order: attn_norm, wq,
-    wk, wv, wo, mlp_norm, then w1, w3, w2, or in an MoE block the router, the routed
-    experts' w1, w3, w2 (with ep = 1 only: `expert_groups` holds them otherwise) and the
-    shared experts' (see hpctrain.models.llama.model and .moe; module docstring for tp)."""
-    d, f, hd = model.dim, model.ffn_dim, model.head_dim
-    q = model.n_heads * hd
-    kv = model.n_kv_heads * hd // tp if model.n_kv_heads % tp == 0 else hd
-    attention = [d, q * d // tp, kv * d, kv * d, d * q // tp, d]
-    if not model.is_moe_layer(layer):
-        return attention + [f * d // tp, f * d // tp, d * f // tp]
-    m, fe = model.moe, model.expert_ffn_dim
-    routed = [m.num_experts * d * fe] * 3 if ep == 1 else []
-    shared = [m.shared_experts * d * fe] * 3 if m.shared_experts else []
-    return attention + [m.num_experts * d] + routed + shared
+    """Parameter sizes of block `layer` on a tp rank, in registration order: the family's block
+    (hpctrain.models.registry.meta_part), each parameter cut by the tp plan; with ep > 1 the
+    routed experts are left to `expert_groups`."""
+    block = _block(model, layer)
+    routed = _routed(block) if ep > 1 else set()
+    return [_held_numel(model, name, p.shape, tp=tp) for name, p in block.named_parameters()
+            if id(p) not in routed]
+
+
+def _ends(model: ModelConfig, *, embed: bool, tp: int) -> list[int]:
+    """Sizes on a tp rank of the embedding (`embed`), or of what follows the blocks: the final
+    norm and the output head (an untied one: a tied head is the embedding)."""
+    part = meta_part(model, Part(range(0), embed=embed, head=not embed))
+    head = f"{family_of(model).head}."
+    return [_held_numel(model, name, p.shape, tp=tp) for name, p in part.named_parameters()
+            if embed or not (model.tied_embeddings and name.startswith(head))]
 
 
 def param_groups(model: ModelConfig, *, tp: int = 1, ep: int = 1) -> tuple[
         list[int], list[list[int]], list[int]]:
     """(embedding, per-block sizes, after-blocks sizes: final norm and an untied head) on a
     tp rank; the routed experts of an ep > 1 layout are left to `expert_groups`."""
-    vocab = model.vocab_size * model.dim // tp
-    tail = [model.dim] + ([] if model.tied_embeddings else [vocab])
     blocks = [block_numels(model, tp=tp, layer=i, ep=ep) for i in range(model.n_layers)]
-    return [vocab], blocks, tail
+    return _ends(model, embed=True, tp=tp), blocks, _ends(model, embed=False, tp=tp)
 
 
 def expert_groups(model: ModelConfig, *, ep: int) -> list[list[int]]:
     """Per block, the sizes of the routed experts one rank of an ep > 1 layout holds in the
-    experts' own units (w1, w3, w2 of E/ep experts; [] for a dense block)."""
-    fe, d = model.expert_ffn_dim, model.dim
-    return [[model.moe.num_experts // ep * d * fe] * 3 if ep > 1 and model.is_moe_layer(i)
-             else [] for i in range(model.n_layers)]
+    experts' own units (E/ep of each stacked weight; [] for a dense block)."""
+    if ep == 1:
+        return [[] for _ in range(model.n_layers)]
+    out = []
+    for i in range(model.n_layers):
+        block = _block(model, i)
+        routed = _routed(block)
+        out.append([p.numel() // ep for p in block.parameters() if id(p) in routed])
+    return out
 
 
 def rank_chunks(pp_rank: int, *, pp: int, virtual_stages: int, schedule: str) -> list[int]:

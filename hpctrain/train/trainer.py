@@ -122,9 +122,8 @@ class Trainer:
             loaded = (found, *ckpt.load(found, **kw))
         if loaded is None:
             if self.cfg.model.init_from:
-                self.init_bytes_read = load_hf_weights(
-                    self.cfg.model.init_from, parallel=self.parallel,
-                    experts=self.cfg.model.moe.num_experts)
+                self.init_bytes_read = load_hf_weights(self.cfg.model.init_from,
+                                                       parallel=self.parallel)
                 log.info("initial weights from %s (%d bytes read on this rank)",
                          self.cfg.model.init_from, self.init_bytes_read)
             return

@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.models import PRESETS, build_model
 from hpctrain.models.config import MoEConfig
-from hpctrain.models.moe.layer import MoE, route, take_moe_stats, take_router_loss
+from hpctrain.models.moe.layer import MoE, take_moe_stats, take_router_loss
+from hpctrain.models.moe.router import route
 from tests.conftest import make_config
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpctrain.models import PRESETS, build_model
-from hpctrain.models.llama.model import FAMILY as LLAMA
+from hpctrain.models.llama import FAMILY as LLAMA
 from hpctrain.parallel.tensor.plan import kv_slot, tp_slice
 
 

@@ -5,11 +5,17 @@ through a pure renaming of weights (rotate-half RoPE on both sides, RMSNorm and 
 with one reshaping: hpctrain stacks a layer's routed experts into one tensor per projection,
 `layers.<i>.mlp.experts.w{1,2,3}` of shape [E, in, out], where Mixtral stores each expert's
 Linear weight, [out, in]: hpctrain's `w[e]` is Mixtral's `experts.<e>.w.weight` transposed.
+A tied output head (`tie_word_embeddings`) that a directory does not hold is its embedding.
+
+`hf_tensors` writes a weight as the tensors that hold it; `hf_pieces` says where any box of a
+weight is read from, so an import reads a rank's own box and nothing else.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # hpctrain name pattern → Hugging Face name (per block: layers.<i>.).
 _BLOCK = {
@@ -64,3 +70,37 @@ def hf_tensors(name: str, value) -> dict:
     layer, w = stack
     return {hf_expert_name(layer, e, w): value[e].t().contiguous()
             for e in range(value.shape[0])}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of an hpctrain weight's box held by one Hugging Face tensor: `hf` (full shape
+    `shape`) at its box `box`, for the whole box (`row` None), or transposed for the box's row
+    `row` of a stacked expert weight."""
+
+    hf: str
+    shape: tuple[int, ...]
+    box: tuple[slice, ...]
+    row: int | None = None
+
+
+def hf_pieces(name: str, shape: tuple[int, ...], box: tuple[slice, ...], *,
+              holds: Callable[[str], bool]) -> list[Piece]:
+    """Where box `box` of hpctrain weight `name` (full shape `shape`) lives in a directory
+    whose tensors `holds` tells: one tensor's same box, or for a stacked expert weight
+    [E, in, out] each expert of box[0] as the [out, in] box of its own tensor, transposed."""
+    stack = expert_stack(name)
+    if stack is None:
+        hf = hf_weight_name(name)
+        if hf == _TOP["output.weight"] and not holds(hf):
+            hf = TIED_SOURCE  # tied: the head is the embedding
+        return [Piece(hf, tuple(shape), tuple(box))]
+    layer, projection = stack
+    first = box[0].start or 0
+    return [Piece(hf_expert_name(layer, e, projection), (shape[2], shape[1]), (box[2], box[1]),
+                  row=e - first) for e in range(first, box[0].stop)]
+
+
+def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The box of a whole tensor of `shape`."""
+    return tuple(slice(0, n) for n in shape)

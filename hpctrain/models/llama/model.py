@@ -13,7 +13,7 @@ from torch import nn
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.models.decode import KVCache, LayerCache
-from hpctrain.models.family import ModelFamily, Part
+from hpctrain.models.family import Part
 from hpctrain.models.moe.layer import MoE
 from hpctrain.ops.attention import get_attention
 from hpctrain.ops.documents import Documents
@@ -117,7 +117,11 @@ class Transformer(nn.Module):
         super().__init__()
         part = Part.whole(cfg) if part is None else part
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if part.embed else None
+        # no default init: hpctrain initialises every weight by name (hpctrain.models.init), and
+        # nn.Embedding's normal_ would fill V×D once more (on meta it imports torch's compiler)
+        self.tok_embeddings = (nn.Embedding(cfg.vocab_size, cfg.dim,
+                                            _weight=torch.empty(cfg.vocab_size, cfg.dim))
+                               if part.embed else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in part.layers})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps) if part.head else None
         self.output = Linear(cfg.dim, cfg.vocab_size, bias=False) if part.head else None
@@ -152,21 +156,3 @@ def block_rope(tables: Rope, docs: Documents | None) -> Rope:
     """The RoPE angles every block of one forward uses: by row index, or restarting at each
     document of `docs`."""
     return rope_at(tables, None if docs is None else docs.positions_BL)
-
-
-FAMILY = ModelFamily(
-    name="llama",
-    build=Transformer,
-    blocks="layers", embedding="tok_embeddings", norm="norm", head="output",
-    attention_core="attn.core",
-    # Megatron's layout: heads split (wq/wk/wv column, wo row), SwiGLU w1/w3 column and w2 row;
-    # the norms before them are the column layers' shared entry; both ends vocab-parallel.
-    # q/k norms act within a head, so they stay whole beside the heads each rank holds.
-    tp_block={"attn_norm": "entry_norm", "mlp_norm": "entry_norm",
-              "attn.q_norm": "head_norm", "attn.k_norm": "head_norm",
-              "attn.wq": "column", "attn.wk": "column", "attn.wv": "column",
-              "mlp.w1": "column", "mlp.w3": "column", "attn.wo": "row", "mlp.w2": "row"},
-    tp_ends={"tok_embeddings": "vocab", "output": "column"},
-    tp_kv=("attn.wk", "attn.wv"),
-    block_mlp="mlp",
-)

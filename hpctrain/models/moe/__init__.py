@@ -1,0 +1,1 @@
+"""The mixture-of-experts block: its router (`router`) and its experts (`layer`)."""

@@ -17,7 +17,7 @@ Measured as the trainer measures (the engine's ledger, `train.ckpt_shards.owned_
   checkpoint             this rank's own chunks of the master weights and both moments
 What meta tensors cannot show: routed experts' token counts depend on the router's choices,
 which meta tensors do not make, so a dry run routes at the planner's bound
-(`hpctrain.models.moe.layer.bound_routing`: dropless, T·k/E slots an expert; with a capacity, every
+(`hpctrain.models.moe.router.bound_routing`: dropless, T·k/E slots an expert; with a capacity, every
 expert full), the same on every rank (the all-to-all's splits follow); autocast does not act
 on meta tensors, so bf16 runs keep their 16-bit parameters' dtype everywhere.
 """

@@ -12,8 +12,8 @@ plan.headroom). A term off by more than `dryrun.tolerance` is a planner or a cod
 Outputs in the run dir: dryrun.json (per rank: rank, coords, the measured *_bytes,
 `predicted` with the same keys, the seconds its set-up took) and dryrun.md (the tables).
 Mixture-of-experts models route at the planner's stated bound (meta tensors make no routing
-choice: `hpctrain.models.moe.layer.bound_routing`), so their routed terms are the bound's. The fused
-attention backends whose kernels need a device (flash, flex, triton) are set up as sdpa: every
+choice: `hpctrain.models.moe.router.bound_routing`), so their routed terms are the bound's. The
+fused attention backends whose kernels need a device (flash, flex, triton) are set up as sdpa: every
 fused backend saves the same query, key, value, output and log-sum-exp for backward
 (plan.memory.FUSED_ATTENTION), and the report says so (`on_meta`).
 """
