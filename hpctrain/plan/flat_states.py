@@ -20,8 +20,9 @@ Under tp and pp the engine works the same way on the parameters a rank holds
 (`rank_param_groups`): its tp slices (cut by hpctrain.parallel.tensor.plan.tp_slice: column
 and row weights 1/t, the embedding and head vocab-parallel 1/t, key/value projections 1/t or
 one whole kv head when kv heads < tp, norms whole) of its pipeline chunks' blocks, the
-embedding on the rank holding the first chunk and the final norm + head on the one holding the last (with tied
-embeddings on two ranks, the head's rank keeps a copy: hpctrain.parallel.pipeline.tied).
+embedding on the rank holding the first chunk and the final norm + head on the one holding the
+last (with tied embeddings on two ranks, the head's rank keeps a copy:
+hpctrain.parallel.pipeline.tied).
 The busiest pipeline rank is reported.
 
 A mixture-of-experts block holds its router, its routed experts and its shared experts whole on
