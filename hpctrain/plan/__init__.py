@@ -9,8 +9,8 @@ for its formulas and sources.
 from hpctrain.metrics.devices import DEVICES, DeviceSpec, lookup_device, mfu_or_none
 from hpctrain.plan.cluster import ClusterSpec, megatron_a100_cluster
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import MemoryBreakdown, memory_breakdown, model_state_bytes
-from hpctrain.plan.rank_memory import StepShape, rank_memory
+from hpctrain.plan.memory.formulas import MemoryBreakdown, memory_breakdown, model_state_bytes
+from hpctrain.plan.memory.model import StepShape, rank_memory
 from hpctrain.plan.report import format_plan_table, format_search_table, plan_report
 from hpctrain.plan.search import Candidate, search_layouts
 from hpctrain.plan.shapes import GPTShape

@@ -4,7 +4,7 @@ A paper or a README gives the model, the degrees (tp, pp, dp) and the global bat
 not the micro-batch size, the recomputation, the interleaving or the schedule. The run could
 have used any of the options its software allows; whoever ran it tuned them for speed. So
 `assume_unstated` times every combination within `Allowed` (`hpctrain.plan.time.step_time`,
-memory from `hpctrain.plan.memory` under the layout's ZeRO stage), keeps those that fit in
+memory from `hpctrain.plan.memory.formulas` under the layout's ZeRO stage), keeps those that fit in
 the device's memory, and returns the fastest with the settings it took (`Assumed.describe`).
 A stack that reduces gradients in fp32 (`Stack.grad_reduce`) keeps them in an fp32 buffer
 (Megatron's main_grad): 2 more bytes per unsharded parameter than the memory model's bf16

@@ -80,7 +80,7 @@ def in_flight_microbatches(schedule: str, *, pp: int, m: int, v: int = 1) -> int
     """Peak (microbatch, chunk) activation sets alive on the busiest rank, from the simulator.
 
     One set = the activations of n_layers/(pp·v) layers for one microbatch, so memory is
-    in_flight × that (`hpctrain.plan.memory`). pp = 1 keeps one microbatch at a time.
+    in_flight × that (`hpctrain.plan.memory.formulas`). pp = 1 keeps one microbatch at a time.
     """
     return max(in_flight_by_rank(schedule, pp=pp, m=m, v=v))
 

@@ -56,13 +56,13 @@ from hpctrain.models.config import ModelConfig
 from hpctrain.parallel.context.ring import ring_shards
 from hpctrain.parallel.data.layout import ShardLayout
 from hpctrain.plan.experts import routed_copies
-from hpctrain.plan.flat_states import (
+from hpctrain.plan.layout import Layout
+from hpctrain.plan.memory.states import (
     rank_chunks,
     rank_expert_groups,
     rank_param_groups,
     unit_numels,
 )
-from hpctrain.plan.layout import Layout
 
 
 @dataclass(frozen=True)

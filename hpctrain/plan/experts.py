@@ -11,7 +11,7 @@ replicated over the dp/ep ep-groups and over cp. With Ψ_E = n_moe_layers · E �
   ZeRO               expert states shard over the (dp/ep)·cp ranks holding the same experts,
                      dense states over dp·cp; gradients reduce over the same groups
 Routed activations (the router, each routed slot's row and expert SwiGLU) are counted with
-the blocks' other saved tensors in `hpctrain.plan.activations`.
+the blocks' other saved tensors in `hpctrain.plan.memory.activations`.
 All-to-all (time: `plan.time.ep_comm_s`): 4 per MoE block per micro-batch (dispatch and
 combine, forward and backward; 6 when full recomputation runs the forward twice), each sending
 per rank

@@ -11,10 +11,10 @@ is checked on every run). The cluster the step time uses (`run_cluster`), in ord
      projection in the training precision (the "peak" is then measured GEMM throughput;
      achievable_fraction still applies), with the LOCAL_* link constants.
 
-Memory: the planner's one model (`hpctrain.plan.rank_memory`), the one the layout search,
+Memory: the planner's one model (`hpctrain.plan.memory.model`), the one the layout search,
 `parallel=auto` and the pre-launch check use: every layout runs on the flat engine, whose
 units are predicted exactly with their padding on the rank's tp slices and pipeline chunks
-(`hpctrain.plan.flat_states`); routed experts get the analytical `rank_state_bytes` (experts
+(`hpctrain.plan.memory.states`); routed experts get the analytical `rank_state_bytes` (experts
 1/ep, their ZeRO states over dp/ep): the engine's expert units are not modelled element by
 element.
 """
@@ -31,8 +31,8 @@ from hpctrain.distributed.device import device_name
 from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.inputs import cluster_spec, layout_of, simulated_in_flight
-from hpctrain.plan.memory import ModelStates
-from hpctrain.plan.rank_memory import StepShape, engine_states, rank_memory, stage_activations
+from hpctrain.plan.memory.formulas import ModelStates
+from hpctrain.plan.memory.model import StepShape, engine_states, rank_memory, stage_activations
 from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)

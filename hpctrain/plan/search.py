@@ -15,8 +15,8 @@ from hpctrain.distributed.dims import divisors
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
-from hpctrain.plan.memory import MemoryBreakdown
-from hpctrain.plan.rank_memory import StepShape, rank_memory
+from hpctrain.plan.memory.formulas import MemoryBreakdown
+from hpctrain.plan.memory.model import StepShape, rank_memory
 from hpctrain.plan.shapes import Shape
 from hpctrain.plan.stack import NONE, Stack
 from hpctrain.plan.time import StepTime, step_time

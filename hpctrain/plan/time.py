@@ -79,7 +79,7 @@ from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.kernels import head_cost, layer_cost, loss_cost, roofline
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
-from hpctrain.plan.memory import state_bytes_per_param
+from hpctrain.plan.memory.formulas import state_bytes_per_param
 from hpctrain.plan.shapes import (
     Shape,
     rank_params,

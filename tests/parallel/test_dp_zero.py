@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpctrain.plan.memory import model_state_bytes
+from hpctrain.plan.memory.formulas import model_state_bytes
 from tests.parallel import dp_helpers as h
 
 K = 12  # fp32 master + m + v per parameter

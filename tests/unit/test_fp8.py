@@ -156,7 +156,7 @@ def test_planner_times_block_linears_at_fp8_peak():
     saved = model.n_layers * 3 * (lc.w - lc8.w)
     assert bf16.compute_s - fp8.compute_s == pytest.approx(saved, rel=1e-9)
     assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)
-    from hpctrain.plan.memory import memory_breakdown
+    from hpctrain.plan.memory.formulas import memory_breakdown
 
     mem = dict(seq_len=2048, micro_batch_size=8, in_flight=1)
     extra = (memory_breakdown(model, Layout(), **mem, fp8=True).buffers

@@ -12,7 +12,7 @@ from hpctrain.ops.documents import IGNORE_INDEX, Documents
 from hpctrain.plan.cluster import megatron_a100_cluster
 from hpctrain.plan.kernels import causal_keys, roofline
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import layer_activation_bytes
+from hpctrain.plan.memory.formulas import layer_activation_bytes
 from hpctrain.plan.time import step_time
 
 MODEL = PRESETS["llama3_8b"]

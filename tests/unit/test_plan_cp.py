@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.plan.cluster import megatron_a100_cluster
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import activation_bytes, memory_breakdown
+from hpctrain.plan.memory.formulas import activation_bytes, memory_breakdown
 from hpctrain.plan.shapes import GPTShape
 from hpctrain.plan.time import step_time
 

@@ -8,7 +8,7 @@ import pytest
 from hpctrain.models.config import PRESETS
 from hpctrain.plan.cluster import dgx_h100_cluster
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import rank_state_bytes
+from hpctrain.plan.memory.formulas import rank_state_bytes
 from hpctrain.plan.search import enumerate_layouts
 from hpctrain.plan.shapes import rank_params
 from hpctrain.plan.time import dp_comm_s, replicate_s, ring_time

@@ -4,7 +4,7 @@ import pytest
 
 from hpctrain.models.config import PRESETS
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import (
+from hpctrain.plan.memory.formulas import (
     layer_activation_bytes,
     memory_breakdown,
     model_state_bytes,

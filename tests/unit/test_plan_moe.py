@@ -11,7 +11,7 @@ from hpctrain.models.config import PRESETS, MoEConfig
 from hpctrain.plan import experts
 from hpctrain.plan.cluster import megatron_a100_cluster
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import memory_breakdown
+from hpctrain.plan.memory.formulas import memory_breakdown
 from hpctrain.plan.search import search_layouts
 from hpctrain.plan.time import step_time
 from tests.conftest import make_config
@@ -49,7 +49,7 @@ def test_moe_blocks_store_the_router_and_routed_slots():
     the expert output and its gate-weighted copy (3·e·h), the expert SwiGLU (4·e·f_e) and
     three ids/gates (20), in place of the dense SwiGLU (4·e·f); k' = capacity_factor · top_k
     with a capacity. (The dry run measures these: tests/integration/test_dryrun.py.)"""
-    from hpctrain.plan.rank_memory import StepShape, rank_memory
+    from hpctrain.plan.memory.model import StepShape, rank_memory
 
     model = PRESETS["debug"].with_(moe=MoEConfig(num_experts=4, top_k=2))  # 4 MoE blocks
     dense = model.with_(moe=MoEConfig())
@@ -151,7 +151,7 @@ def test_fp8_copies_count_the_rank_s_experts():
     """train.fp8 saves a float8 copy (1 byte) of each weight whose GEMMs run in FP8: in a
     Mixtral block the attention projections (/tp) and the rank's routed experts (/ep, whole
     under tp); not the norms or the router."""
-    from hpctrain.plan.memory import fp8_layer_params
+    from hpctrain.plan.memory.formulas import fp8_layer_params
 
     h, q, kv = 4096, 32 * 128, 8 * 128
     attention = 2 * h * q + 2 * h * kv

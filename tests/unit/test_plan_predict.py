@@ -12,8 +12,8 @@ from hpctrain.models import build_model
 from hpctrain.models.config import PRESETS
 from hpctrain.plan.calibrate import LOCAL_BW, calibrated_cluster, gemm_flops, measured_spec
 from hpctrain.plan.cluster import megatron_a100_cluster
-from hpctrain.plan.flat_states import flat_state_bytes, param_groups
-from hpctrain.plan.memory import model_state_bytes
+from hpctrain.plan.memory.formulas import model_state_bytes
+from hpctrain.plan.memory.states import flat_state_bytes, param_groups
 
 
 @pytest.mark.parametrize("tied", [False, True])

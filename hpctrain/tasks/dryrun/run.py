@@ -4,7 +4,7 @@ For each rank of `dryrun.ranks` (default: the first rank of each pipeline stage 
 global rank) `hpctrain.tasks.dryrun.rank.measure_rank` sets the rank up exactly as the job
 would, at the job's full world size, on meta tensors, and runs one step's forward and
 backward; this module sets the planner's prediction for the same rank beside it
-(`hpctrain.plan.rank_memory`, the one memory model: the rank's pipeline stage, its
+(`hpctrain.plan.memory.model`, the one memory model: the rank's pipeline stage, its
 microbatches in flight at the peak), term by term, and the verdict against the usable
 memory of `parallel=auto` and the pre-launch check (`hpctrain.plan.auto`: the limit less
 plan.headroom). A term off by more than `dryrun.tolerance` is a planner or a code bug.
@@ -32,9 +32,9 @@ from hpctrain.plan.auto import memory_limit, planning_cluster, usable_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.comm_volume import Volume, step_volumes
 from hpctrain.plan.inputs import layout_of
-from hpctrain.plan.memory import FUSED_ATTENTION, fp8_buffer_bytes
+from hpctrain.plan.memory.formulas import FUSED_ATTENTION, fp8_buffer_bytes
+from hpctrain.plan.memory.model import engine_states, rank_activations, rank_checkpoint_bytes
 from hpctrain.plan.predict import step_shape
-from hpctrain.plan.rank_memory import engine_states, rank_activations, rank_checkpoint_bytes
 from hpctrain.plan.search import GIB
 from hpctrain.tasks.dryrun.comm import comm_rows
 

@@ -1,4 +1,5 @@
-"""Per-rank memory model: model states (ZeRO paper) + activations (Korthikanti et al. 2022).
+"""The published memory formulas: model states (ZeRO paper) + activations (Korthikanti et al.
+2022), the terms' types, and the buffers both counts share.
 
 Model states, Ψ = parameters on this rank's (tp, pp) shard, Nd = dp (Rajbhandari et al. 2019):
   bf16/fp16 compute, fp32 Adam: params 2Ψ, grads 2Ψ, optimizer KΨ, K = 12 (master, m, v)
@@ -37,7 +38,7 @@ over both axes). Mixture of experts (routed experts 1/ep per rank, their ZeRO st
 
 These are the published formulas, for the GPT shapes of those papers; the planner's one model
 for the models hpctrain trains (what its engine and blocks hold, MoE blocks included) is
-`hpctrain.plan.rank_memory`, which takes its states and buffers from here where they agree.
+`hpctrain.plan.memory.model`, which takes its states and buffers from here where they agree.
 """
 
 from __future__ import annotations

@@ -28,18 +28,18 @@ from dataclasses import dataclass
 from functools import partial
 
 from hpctrain.models.config import ModelConfig
-from hpctrain.plan.activations import rank_activation_bytes
 from hpctrain.plan.bubble import in_flight_by_rank, weighted_peaks
 from hpctrain.plan.experts import rank_expert_params
-from hpctrain.plan.flat_states import flat_state_bytes, rank_expert_groups, rank_param_groups
 from hpctrain.plan.layout import Layout
-from hpctrain.plan.memory import (
+from hpctrain.plan.memory.activations import rank_activation_bytes
+from hpctrain.plan.memory.formulas import (
     MemoryBreakdown,
     checkpoint_staging_bytes,
     fp8_buffer_bytes,
     memory_breakdown,
     state_bytes_per_param,
 )
+from hpctrain.plan.memory.states import flat_state_bytes, rank_expert_groups, rank_param_groups
 from hpctrain.plan.shapes import rank_params
 
 

@@ -1,6 +1,6 @@
 """Exact per-rank model-state bytes of the flat data-parallel engine (hpctrain.parallel.data).
 
-The ZeRO formulas of `hpctrain.plan.memory` count Ψ parameters. The engine lays parameters
+The ZeRO formulas of `hpctrain.plan.memory.formulas` count Ψ parameters. The engine lays parameters
 into flat units, and each unit's layout pads Ψᵤ to dp·Sᵤ (S = ceil(Ψᵤ/dp), see
 `hpctrain.parallel.data.layout.ShardLayout`). Per unit, with p bytes per compute element
 (2 for bf16/fp16, 4 for fp32) and Pᵤ = dp·Sᵤ the padded size (Pᵤ = Ψᵤ when zero = 0):
@@ -46,7 +46,7 @@ from hpctrain.models.registry import family_of, meta_part
 from hpctrain.parallel.data.layout import ShardLayout
 from hpctrain.parallel.pipeline.schedules import stage_ranks
 from hpctrain.parallel.tensor.plan import kv_slot, tp_slice
-from hpctrain.plan.memory import ModelStates
+from hpctrain.plan.memory.formulas import ModelStates
 
 
 def _held_numel(model: ModelConfig, name: str, shape: torch.Size, *, tp: int) -> int:
