@@ -22,7 +22,7 @@ from hpctrain.config.generate import GENERATE_RANGES
 from hpctrain.config.hydra_schema import SCHEMAS
 from hpctrain.config.validate.keys import RANGES
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 _FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
 
 
