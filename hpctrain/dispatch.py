@@ -56,7 +56,7 @@ def launch(cfg: Config, *, record: Mapping[str, str] | None = None) -> dict[str,
                 write_plan(cfg, accept=runnable_problems)
             if slurm:  # this process is one Slurm task (one rank)
                 return run_slurm_task(cfg, task.run)
-            return launch_local(cfg, task.run)
+            return launch_local(cfg, task.run, preload=task.modules)
         finally:
             if handler is not None:
                 logging.getLogger().removeHandler(handler)

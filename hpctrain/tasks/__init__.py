@@ -70,6 +70,7 @@ class Task:
     show: Callable[[Result], str | None]
     on_ranks: bool = False
     reads_data: Callable[[Config], bool] = lambda c: False
+    modules: tuple[str, ...] = ()  # what `run` imports on a rank (a fork server preloads it)
 
 
 # The rules of a training run, in the order their problems are listed.
@@ -186,9 +187,9 @@ def _bench_reads_data(c: Config) -> bool:
 
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("train", _train, TRAIN_CHECKS, _show_summary, on_ranks=True,
-         reads_data=lambda c: True),
+         reads_data=lambda c: True, modules=("hpctrain.tasks.train",)),
     Task("bench", _bench, TRAIN_CHECKS, _show_bench, on_ranks=True,
-         reads_data=_bench_reads_data),
+         reads_data=_bench_reads_data, modules=("hpctrain.tasks.bench",)),
     # task=simulate runs no ranks, trains nothing: only the schedule and its costs matter.
     Task("simulate", _simulate, (check_simulate,), _show_simulation),
     # The planner predicts any layout, including ones this version cannot run yet.
