@@ -97,6 +97,14 @@ class ParallelDims:
     def degree(self, axis: Axis) -> int:
         return getattr(self, axis)
 
+    def stride(self, name: Literal["tp", "cp", "dp", "ep", "pp", "replicate"]) -> int:
+        """Ranks between two consecutive members of a `name` group, whose members are evenly
+        spaced (module docstring): tp 1, cp tp, dp and ep cp·tp, pp dp·cp·tp, a replica's
+        shards dp_shard·cp·tp."""
+        inner = self.cp * self.tp
+        return {"tp": 1, "cp": self.tp, "dp": inner, "ep": inner, "pp": self.dp * inner,
+                "replicate": self.dp_shard * inner}[name]
+
     def coords(self, rank: int) -> dict[Axis, int]:
         """The (pp, dp, cp, tp) coordinates of `rank`."""
         if not 0 <= rank < self.world_size:

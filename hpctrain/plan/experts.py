@@ -85,9 +85,10 @@ def a2a_time(nbytes: float, cluster: ClusterSpec, layout: Layout) -> float:
     ep, g = layout.ep, cluster.gpus_per_node
     if ep == 1:
         return 0.0
-    if ep * layout.cp * layout.tp <= g:
+    stride = layout.dims.stride("ep")
+    if ep * stride <= g:
         return nbytes / cluster.intra_bw + (ep - 1) * cluster.latency_intra
-    local = min(ep, max(1, g // (layout.cp * layout.tp)))
+    local = min(ep, max(1, g // stride))
     per_peer = nbytes / (ep - 1)
     on_node = (local - 1) * per_peer / cluster.intra_bw
     off_node = (ep - local) * per_peer / (cluster.inter_bw / g)

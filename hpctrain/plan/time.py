@@ -131,18 +131,19 @@ def tp_link(cluster: ClusterSpec, tp: int) -> tuple[float, float]:
     return cluster.inter_bw / cluster.gpus_per_node, cluster.latency_inter
 
 
-def dp_link(cluster: ClusterSpec, *, tp: int, dp: int) -> tuple[float, float]:
-    """(bytes/s, latency) for one dp group's ring.
+def dp_link(cluster: ClusterSpec, *, stride: int, dp: int) -> tuple[float, float]:
+    """(bytes/s, latency) for the ring of a group of `dp` ranks `stride` ranks apart (the
+    layout's `ParallelDims.stride`: cp·tp for the dp group).
 
-    Ranks are tp-fastest, so a dp group spans dp·tp consecutive ranks. Within a node: NVLink.
-    Across nodes each node has g/k concurrent dp groups sharing its NICs, with k = members of
-    one group per node = max(1, min(dp, g // tp)); a ring crosses each node boundary once, so
-    each group gets inter_bw · k / g (all NICs for tp=1, one NIC's share for tp=g).
+    The group spans dp·stride ranks. Within a node: NVLink. Across nodes each node has g/k
+    concurrent groups sharing its NICs, with k = members of one group per node =
+    max(1, min(dp, g // stride)); a ring crosses each node boundary once, so each group gets
+    inter_bw · k / g (all NICs for stride 1, one NIC's share for stride g).
     """
     g = cluster.gpus_per_node
-    if dp * tp <= g:
+    if dp * stride <= g:
         return cluster.intra_bw, cluster.latency_intra
-    k = max(1, min(dp, g // tp))
+    k = max(1, min(dp, g // stride))
     return min(cluster.intra_bw, cluster.inter_bw * k / g), cluster.latency_inter
 
 
@@ -190,12 +191,13 @@ def dp_comm_parts(model: Shape, cluster, layout, *, precision: str,
     g_b = ov.grad_bytes(g_b)
     psi = rank_params(model, tp=layout.tp, pp=layout.pp)
     dims = layout.dims  # gradients of replicated parameters reduce over (a replica's) dp×cp
-    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=dims.dp_shard)
+    bw, lat = dp_link(cluster, stride=dims.stride("dp"), dp=dims.dp_shard)
     rs, ag = _reduce_gather(psi, g_b, p_b, n=dims.shard_size, bw=bw, lat=lat, zero=layout.zero)
     expert_psi = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
     if expert_psi:
-        bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * layout.ep,
-                          dp=dims.dp_shard // layout.ep)
+        # the ranks holding the same experts: every ep-th dp coordinate of the replica
+        bw, lat = dp_link(cluster, stride=dims.stride("ep") * dims.ep,
+                          dp=dims.dp_shard // dims.ep)
         e_rs, e_ag = _reduce_gather(expert_psi, g_b, p_b, n=dims.expert_shard_size,
                                     bw=bw, lat=lat, zero=layout.zero)
         rs, ag = rs + e_rs, ag + e_ag
@@ -212,7 +214,7 @@ def replicate_s(model: Shape, cluster, layout, *, precision: str,
     if r == 1:
         return 0.0
     g_b = ov.grad_bytes(state_bytes_per_param(precision)[1])
-    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp * dims.dp_shard, dp=r)
+    bw, lat = dp_link(cluster, stride=dims.stride("replicate"), dp=r)
     dense = rank_params(model, tp=layout.tp, pp=layout.pp)
     routed = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
     zero = layout.zero >= 2
@@ -241,7 +243,7 @@ def cp_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, precision,
     kv_heads = max(1, getattr(model, "n_kv_heads", model.n_heads) // layout.tp)
     shard = 2 * mbs * kv_heads * (seq_len // cp) * (model.dim // model.n_heads) \
         * _act_bytes(precision)
-    bw, lat = tp_link(cluster, layout.tp * cp)
+    bw, lat = tp_link(cluster, cp * layout.dims.stride("cp"))  # the cp group's span
     if layout.cp_comm == "allgather":
         gathers = 3 if recompute == "full" else 2
         one = ring_time(cp * shard, n=cp, bw=bw, latency=lat, op="all_gather")
@@ -323,7 +325,7 @@ def _dp_time(model, cluster, layout, *, precision, dp_overlap, ov, costs) -> flo
         return (1.0 - dp_overlap) * (rs + ag) + replicas
     v = layout.virtual_stages
     bucket = stack.BUCKET_PARAMS * ov.grad_bytes(state_bytes_per_param(precision)[1])
-    bw, lat = dp_link(cluster, tp=layout.tp * layout.cp, dp=layout.dims.dp_shard)
+    bw, lat = dp_link(cluster, stride=layout.dims.stride("dp"), dp=layout.dims.dp_shard)
     one = ring_time(bucket, n=layout.dims.shard_size, bw=bw, latency=lat, op="reduce_scatter")
     return replicas + stack.dp_exposed(rs, ag, bucket_s=one,
                                        backward_s=v * (costs[1] + costs[2]),

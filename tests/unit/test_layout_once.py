@@ -14,19 +14,15 @@ import pytest
 
 from hpctrain.config.bench import AxisGroup
 from hpctrain.config.schema import ParallelConfig
-from hpctrain.distributed.dims import GROUP_NAMES, ParallelDims
+from hpctrain.distributed.dims import GROUP_NAMES, ParallelDims, divisors
 from hpctrain.launch.resolvers import nodes_for
 from hpctrain.plan.layout import Layout
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _random_parallel(rng: random.Random) -> ParallelConfig:
     dp, tp, pp, cp = (rng.choice([1, 2, 3, 4, 6]) for _ in range(4))
-    replicate = rng.choice(_divisors(dp))
-    ep = rng.choice(_divisors(dp // replicate))
+    replicate = rng.choice(divisors(dp))
+    ep = rng.choice(divisors(dp // replicate))
     schedule = rng.choice(["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zbv"])
     return ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=replicate,
                           zero=rng.choice([0, 1, 2, 3]), sp=tp > 1 and rng.random() < 0.5,
@@ -59,6 +55,10 @@ def test_every_consumer_agrees_on_the_layout(p):
         assert {len(g) for g in partition} == {sizes[name]}, name
         where = {r: g for g in partition for r in g}  # the rank's own group, computed once
         assert all(d.ranks_in(name, r) == where[r] for r in range(d.world_size)), name
+    for name in ("tp", "cp", "dp", "ep", "pp", "replicate"):  # what the planner's links read
+        for rank in range(d.world_size):
+            members = d.ranks_in(name, rank)
+            assert {b - a for a, b in zip(members, members[1:])} <= {d.stride(name)}, name
     for rank in range(d.world_size):
         shard, dp_cp = set(d.ranks_in("shard", rank)), set(d.ranks_in("dp_cp", rank))
         assert shard <= dp_cp and set(d.ranks_in("replicate", rank)) & shard == {rank}

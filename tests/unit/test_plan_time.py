@@ -89,10 +89,10 @@ def test_links_choose_nvlink_inside_a_node_and_share_nics_outside():
     c = megatron_a100_cluster()
     assert tp_link(c, 8)[0] == c.intra_bw
     assert tp_link(c, 16)[0] == c.inter_bw / 8
-    assert dp_link(c, tp=1, dp=8)[0] == c.intra_bw
-    assert dp_link(c, tp=1, dp=32)[0] == c.inter_bw  # one ring uses all 8 NICs
-    assert dp_link(c, tp=8, dp=32)[0] == c.inter_bw / 8  # 8 rings share them
-    assert dp_link(c, tp=2, dp=32)[0] == c.inter_bw / 2
+    assert dp_link(c, stride=1, dp=8)[0] == c.intra_bw
+    assert dp_link(c, stride=1, dp=32)[0] == c.inter_bw  # one ring uses all 8 NICs
+    assert dp_link(c, stride=8, dp=32)[0] == c.inter_bw / 8  # 8 rings share them
+    assert dp_link(c, stride=2, dp=32)[0] == c.inter_bw / 2
 
 
 def test_full_recompute_costs_more_tp_comm_and_compute():
