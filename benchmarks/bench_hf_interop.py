@@ -186,8 +186,7 @@ def hpctrain_import(rank: int, world: int, args) -> dict:
     turns = Path(run_dir) / "turns"
     turns.mkdir(parents=True, exist_ok=True)
     parallel, _ = _in_turn(rank, world, turns, lambda: build_parallel_state(cfg, mesh))
-    read, seconds, over, peak = measure_phase(lambda: load_hf_weights(
-        hf_dir, parallel=parallel, experts=cfg.model.moe.num_experts))
+    read, seconds, over, peak = measure_phase(lambda: load_hf_weights(hf_dir, parallel=parallel))
     mine = {"s": seconds, "over": over, "peak": peak, "read": read, "max_rss": _max_rss()}
     ckpt.save(ckpt.checkpoint_dir(Path(run_dir), 0), parallel=parallel,
               train_state={"step": 0, "dp": world, "zero": cfg.parallel.zero},

@@ -47,6 +47,14 @@ def _beat(run_dir: Path, rank: int) -> dict:
     return json.loads((run_dir / ".hpctrain" / "heartbeat" / f"rank_{rank}.json").read_text())
 
 
+def _beating(run_dir: Path, rank: int) -> dict:
+    """The rank's heartbeat, {} while it has none (a new start has not written it yet)."""
+    try:
+        return _beat(run_dir, rank)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def _job_nodes(job_id: str) -> str:
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
                          text=True, timeout=30).stdout
@@ -108,13 +116,14 @@ def test_a_stopped_rank_is_excluded_and_max_restarts_ends_the_job(slurm_cluster,
     this fault, and the job ends."""
     sweep, run_dir = tmp_path / "sw", tmp_path / "sw" / "0"
     proc = _start(sweep, ["cluster.max_restarts=1", "logger.wandb=disabled"])
-    _wait_for(lambda: _steps_logged(run_dir) >= 30, 150, "30 steps on two nodes")
+    _wait_for(lambda: _steps_logged(run_dir) >= 30 and _beating(run_dir, 3), 150,
+              "30 steps on two nodes")
     first = _beat(run_dir, 3)
     assert first["host"] == "n2"
     os.kill(first["pid"], signal.SIGSTOP)
     _wait_for(lambda: (run_dir / "restarts.jsonl").exists(), 150, "the restart")
-    _wait_for(lambda: _beat(run_dir, 1)["pid"] != first["pid"] and
-              (_beat(run_dir, 1).get("step") or 0) > 0, 60, "training on n1")
+    _wait_for(lambda: _beating(run_dir, 1).get("pid", first["pid"]) != first["pid"] and
+              (_beating(run_dir, 1).get("step") or 0) > 0, 60, "training on n1")
     os.kill(_beat(run_dir, 1)["pid"], signal.SIGSTOP)
     out = _finish(proc, 120)  # submitit gets the reason as each task's error: no wait
     assert proc.returncode != 0

@@ -68,3 +68,14 @@ def test_a_broken_contract_fails_with_its_report(tmp_path):
     assert proc.returncode != 0, proc.stdout
     for case, (_, _, report) in BREAKS.items():
         assert report in proc.stdout, (case, proc.stdout)
+
+
+def test_the_package_root_holds_the_entry_point_the_dispatch_and_the_errors():
+    """Every other module lives in a package whose name says what it holds (issue 43: 16
+    modules at the root once took 8 of the contract's layers)."""
+    root = ROOT / "hpctrain"
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert modules == ["__init__.py", "__main__.py", "dispatch.py", "errors.py"], modules
+    packages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["bench", "checkpoint", "config", "data", "distributed", "launch",
+                        "metrics", "models", "ops", "parallel", "plan", "tasks", "train"]
