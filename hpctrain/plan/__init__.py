@@ -1,7 +1,9 @@
 """The analytical planner: will a layout fit, how fast will it be, and which layout is best.
 
-Arithmetic (no processes, no model built): devices → cluster → the memory model
-(`rank_memory`, one for the search, task=plan, parallel=auto, the pre-launch check and each
+Arithmetic (no processes; the parameters of hpctrain's own models are read off one block of
+each kind and the ends built on the meta device, hpctrain.models.registry.meta_part): devices →
+cluster → the memory model
+(`memory.model`, one for the search, task=plan, parallel=auto, the pre-launch check and each
 run's prediction) and the time model → layout search → reports. See each module's docstring
 for its formulas and sources.
 """

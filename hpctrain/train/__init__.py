@@ -1,1 +1,3 @@
-"""Training loop, step, optimizer, checkpointing (layer: above data/metrics, below plan/bench)."""
+"""The training loop: set-up of a rank, the step's feed, optimizer and LR schedules, the pipeline
+and tensor-parallel steps, eval during training, what a run leaves behind (layer: above data,
+metrics and checkpoint, below bench and plan)."""

@@ -1,7 +1,8 @@
 """Validation: every mistake a user can make becomes one ValueError before any rank starts.
 
-A rule is a `Check`: a function of the Config that returns its problems (each message names the
-values and the fix), declared with the keys it reads, where it is written:
+A rule is a `Check` (hpctrain.config.rule): a function of the Config that returns its problems
+(each message names the values and the fix), declared with the keys it reads, where it is
+written:
 
     @check("parallel.cp", "train.seq_len", "model.")
     def check_cp(c: Config) -> list[str]: ...
