@@ -9,6 +9,7 @@ from typing import Literal
 
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.parallel.pipeline import schedules
+from hpctrain.parallel.tensor.plan import unsplit
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
@@ -125,11 +126,10 @@ def layout_problems(
         problems.append(f"ep={layout.ep} needs routed experts (model.moe.num_experts=0): ep=1")
     elif layout.ep > 1 and experts % layout.ep:
         problems.append(f"ep={layout.ep} does not divide num_experts={experts}")
-    if model.n_heads % layout.tp:
-        problems.append(f"n_heads={model.n_heads} not divisible by tp={layout.tp}")
-    kv = getattr(model, "n_kv_heads", model.n_heads)
-    if kv % layout.tp and layout.tp % kv:
-        problems.append(f"n_kv_heads={kv} and tp={layout.tp}: neither divides the other")
+    for name in unsplit(model, layout.tp, ("n_heads", "n_kv_heads")):  # the tp plan's rule
+        value = getattr(model, name)
+        problems.append(f"n_heads={value} not divisible by tp={layout.tp}" if name == "n_heads"
+                        else f"n_kv_heads={value} and tp={layout.tp}: neither divides the other")
     chunks = layout.pp * layout.virtual_stages
     if model.n_layers % chunks:
         problems.append(f"n_layers={model.n_layers} not divisible by pp×v={chunks}")
