@@ -103,12 +103,21 @@ def _quiet_env():
     yield
 
 
-# With pytest-xdist (tests/run.sh: -n 2 --dist loadgroup) each worker takes whole groups: a
-# test file is a group (its module fixtures and cached references are computed once), the
-# 8-rank worlds' files and tests (marked world8) share one (one worker holds an 8-rank world),
-# and the Slurm tests are
-# one group, first in line: they mostly wait on the cluster, so the other worker runs the rest
-# meanwhile instead of after them.
+# With pytest-xdist (tests/run.sh: -n 3 --dist loadgroup --no-loadscope-reorder) each worker
+# takes whole groups, in the order given here: a test file is a group (its module fixtures and
+# cached references are computed once), the 8-rank worlds' files and tests (marked world8) share
+# one (one worker holds an 8-rank world), and the Slurm tests are one group, first in line: they
+# mostly wait on the cluster, so the other workers run the rest meanwhile. Then the longest
+# groups (LONGEST: seconds alone on an idle 2-core machine, 2026-12-07), so that no long group
+# starts last and runs alone at the end; then the rest in file order.
+LONGEST = {"tests/integration/test_readme_commands.py": 238,
+           "tests/parallel/test_compat_matrix.py": 131, "tests/integration/test_hang.py": 83,
+           "tests/integration/test_benchmarks_smoke.py": 79, "world8": 70,
+           "tests/integration/test_ckpt_async.py": 68, "tests/parallel/test_fp8_parallel.py": 56,
+           "tests/integration/test_dryrun.py": 43, "tests/unit/test_attention_backends.py": 42,
+           "tests/integration/test_gpu_bench_dry_run.py": 41,
+           "tests/unit/test_plan_search.py": 31, "tests/parallel/test_moe.py": 30,
+           "tests/parallel/test_cp.py": 28}
 _WORLD8_FILES = {"test_3d_trainer.py", "test_3d_runtime.py", "test_ckpt_sharded.py",
                  "test_zero_tp_pp.py", "test_hsdp.py"}
 
@@ -126,4 +135,8 @@ def _group(item) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: _group(item) != "slurm")  # stable: the rest keeps its order
+    def rank(item) -> tuple[int, int]:
+        group = _group(item)
+        return (0, 0) if group == "slurm" else (1, -LONGEST.get(group, 0))
+
+    items.sort(key=rank)  # stable: groups stay whole, the rest keeps its order

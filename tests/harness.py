@@ -1,6 +1,6 @@
-"""Run functions in a persistent world of N gloo ranks (spawned, 1 thread each).
+"""Run functions in a persistent world of N gloo ranks (1 thread each).
 
-Spawning a world costs seconds, so a `World` is started once per test session and reused: each
+Starting a world costs seconds, so a `World` is started once per test session and reused: each
 `world.run(fn, *args)` ships `fn` (a module-level function, pickled by reference) to every rank
 and returns the per-rank results. Ranks rendezvous through a FileStore in a temp dir (no ports)
 and use a short process-group timeout, so a mismatched collective fails a test instead of
@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import tempfile
+import threading
 import traceback
 from typing import Any
 
@@ -51,8 +52,32 @@ def _destroy_new_groups(before: set) -> None:
         dist.destroy_process_group(group)
 
 
-def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox) -> None:
+# What a rank imports, imported once by the fork server every World of this process (and every
+# local launch, hpctrain.launch.local, which asks for the same) forks its ranks from.
+PRELOAD = ["hpctrain.launch.local", "hpctrain.tasks", "hpctrain.tasks.train"]
+
+
+def _end_with(watch) -> None:
+    """SIGKILL this rank when the test process is gone: `watch` is a pipe only that process
+    writes. (Its parent is the fork server, which outlives a killed test process while its
+    children hold the server's alive fd.)"""
+    def wait() -> None:
+        try:
+            watch.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="world-watch", daemon=True).start()
+
+
+def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox, watch,
+           env: dict[str, str], cwd: str) -> None:
     die_with_parent()
+    _end_with(watch)
+    os.environ.clear()
+    os.environ.update(env)  # the test process's now, not the fork server's at its start
+    os.chdir(cwd)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -84,17 +109,23 @@ class World:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # once: the server then serves every world
         self._dir = tempfile.TemporaryDirectory(prefix=f"world{self.size}-")
         store = os.path.join(self._dir.name, "store")
         self._inboxes = [ctx.Queue() for _ in range(self.size)]
         self._outbox = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, daemon=True,
-                                   args=(r, self.size, store, self.timeout_s,
-                                         self._inboxes[r], self._outbox))
-                       for r in range(self.size)]
-        for p in self._procs:
-            p.start()
+        env, cwd = dict(os.environ), os.getcwd()
+        self._procs, self._watches = [], []
+        for r in range(self.size):
+            watch, held = ctx.Pipe(duplex=False)
+            self._procs.append(ctx.Process(target=_serve, daemon=True,
+                                           args=(r, self.size, store, self.timeout_s,
+                                                 self._inboxes[r], self._outbox, watch, env,
+                                                 cwd)))
+            self._procs[-1].start()
+            watch.close()
+            self._watches.append(held)
 
     def run(self, fn, *args, timeout_s: float = 300.0, **kwargs) -> list[Any]:
         """fn(*args, **kwargs) on every rank; returns results ordered by rank."""
@@ -134,4 +165,6 @@ class World:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        self._procs = []
+        for held in getattr(self, "_watches", []):
+            held.close()
+        self._procs, self._watches = [], []

@@ -12,8 +12,10 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
-# Two pytest workers (pytest-xdist): the Slurm tests mostly wait on the cluster and many tests
-# hold one core, so a second stream of tests fills the machine; tests/conftest.py groups them
-# (HPCTRAIN_TEST_WORKERS=0 runs everything in this one process).
-exec python -m pytest -q -p no:cacheprovider --durations=25 \
-  -n "${HPCTRAIN_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Three pytest workers (pytest-xdist) on two cores: the Slurm tests mostly wait on the cluster,
+# and so do the fault tests' timeouts, so two more streams of tests fill the machine;
+# tests/conftest.py groups them and orders the groups, longest first
+# (HPCTRAIN_TEST_WORKERS=0 runs everything in this one process). The 20 slowest tests end the
+# log.
+exec python -m pytest -q -p no:cacheprovider --durations=20 \
+  -n "${HPCTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
