@@ -16,9 +16,10 @@ import os
 import queue
 import signal
 import tempfile
-import threading
 import traceback
 from typing import Any
+
+from hpctrain.launch.local import end_with
 
 
 def die_with_parent() -> None:
@@ -57,24 +58,9 @@ def _destroy_new_groups(before: set) -> None:
 PRELOAD = ["hpctrain.launch.local", "hpctrain.tasks", "hpctrain.tasks.train"]
 
 
-def _end_with(watch) -> None:
-    """SIGKILL this rank when the test process is gone: `watch` is a pipe only that process
-    writes. (Its parent is the fork server, which outlives a killed test process while its
-    children hold the server's alive fd.)"""
-    def wait() -> None:
-        try:
-            watch.recv()
-        except (EOFError, OSError):
-            pass
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=wait, name="world-watch", daemon=True).start()
-
-
 def _serve(rank: int, world: int, store_path: str, timeout_s: float, inbox, outbox, watch,
            env: dict[str, str], cwd: str) -> None:
-    die_with_parent()
-    _end_with(watch)
+    end_with(watch, signal.SIGKILL)  # the launcher's own way: a pipe only the test writes
     os.environ.clear()
     os.environ.update(env)  # the test process's now, not the fork server's at its start
     os.chdir(cwd)

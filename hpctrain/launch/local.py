@@ -49,27 +49,27 @@ def _store_path(cfg: Config) -> Path:
     return path
 
 
-def _die_with_launcher(launcher) -> None:
-    """SIGTERM this process when the launcher dies (even by SIGKILL), so no rank is orphaned: a
-    thread waits on `launcher`, a pipe whose only writer the launcher holds (its end closes
-    with the launcher). On Linux also when the fork server, this process's parent, dies."""
+def end_with(launcher, signum: int = signal.SIGTERM) -> None:
+    """Send this process `signum` when the process that started it dies (even by SIGKILL), so
+    none is orphaned: a thread waits on `launcher`, a pipe whose only writer that process holds
+    (its end closes with it). On Linux also when this process's parent (the fork server) dies."""
     def wait() -> None:
         try:
             launcher.recv()
         except (EOFError, OSError):
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=wait, name="hpctrain-launcher-watch", daemon=True).start()
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         pass
 
 
 def _spawned(rank: int, cfg: Config, task: TaskFn, store_path: str, world: int, pipe,
              launcher, env: dict[str, str], cwd: str) -> None:
-    _die_with_launcher(launcher)
+    end_with(launcher)  # SIGTERM: the agreed stop, with a checkpoint
     os.environ.clear()
     os.environ.update(env)  # the launcher's now, not the fork server's at its start
     os.chdir(cwd)
@@ -129,7 +129,7 @@ def launch_local(cfg: Config, task: TaskFn, *, preload: tuple[str, ...] = ()) ->
                                        env, cwd)))
         procs[-1].start()
         writer.close()  # the rank holds the only writer: its exit makes the pipe readable
-        watch.close()  # ... and this process the only writer of its watch: `_die_with_launcher`
+        watch.close()  # ... and this process the only writer of its watch: `end_with`
         readers.append(reader)
         alive.append(held)
     try:
