@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hpctrain.config.build import Problem, format_problems
+from hpctrain.config.build import Problem
 from hpctrain.config.rule import Check
 from hpctrain.config.schema import Config
 from hpctrain.config.validate.keys import key_problems
@@ -49,11 +49,3 @@ def problems_of(c: Config, checks: Sequence[Check], *, reads_data: bool,
 def _reads_any(reads: tuple[str, ...], failed: set[str]) -> bool:
     return any(key == r or key.startswith(r if r.endswith(".") else r + ".")
                for r in reads for key in failed)
-
-
-def validate(c: Config, checks: Sequence[Check], *, reads_data: bool,
-             found: Sequence[Problem] = ()) -> None:
-    """Raise one ValueError listing every problem of `c` (and `found`), each once."""
-    problems = problems_of(c, checks, reads_data=reads_data, found=found)
-    if problems:
-        raise ValueError(format_problems(problems))
