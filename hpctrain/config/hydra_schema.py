@@ -29,14 +29,14 @@ from hpctrain.config.eval import EvalConfig
 from hpctrain.config.export import ExportConfig
 from hpctrain.config.generate import GenerateConfig
 from hpctrain.config.plan import PlanConfig
-from hpctrain.config.schema import _GROUPS, TaskConfig
+from hpctrain.config.schema import RUN_GROUPS, TaskConfig
 from hpctrain.config.simulate import SimulateConfig
 
 # Every group Hydra composes → its dataclass. bench/plan/simulate/export/eval/dryrun reach
 # Config.extra and are built by their tasks (bench.config.bench_config, plan.task.plan_settings,
 # sim_task, export_config.export_settings, eval_config.eval_settings,
 # dryrun_config.dryrun_settings).
-SCHEMAS: dict[str, type] = {**_GROUPS, "task": TaskConfig, "bench": BenchConfig,
+SCHEMAS: dict[str, type] = {**RUN_GROUPS, "task": TaskConfig, "bench": BenchConfig,
                             "plan": PlanConfig, "simulate": SimulateConfig,
                             "export": ExportConfig, "generate": GenerateConfig,
                             "eval": EvalConfig, "dryrun": DryrunConfig}

@@ -336,7 +336,8 @@ class Config:
                 + f" {p.schedule} accum{self.grad_accum}")
 
 
-_GROUPS = {
+# The run's groups (task groups: hpctrain.config.<name>, in Config.extra).
+RUN_GROUPS = {
     "cluster": ClusterConfig,
     "parallel": ParallelConfig,
     "train": TrainConfig,
@@ -362,7 +363,7 @@ def collect(raw: dict[str, Any], *, run_dir: str) -> tuple[Config | None, list[P
     if isinstance(model, dict):  # model.init_from's tokenizer.json is the data's by default
         raw["data"] = with_model_tokenizer(raw.get("data"), model.get("init_from"))
     built = {name: build_checked(cls, name, model if name == "model" else raw.pop(name, {}) or {})
-             for name, cls in _GROUPS.items()}
+             for name, cls in RUN_GROUPS.items()}
     problems = [p for _, found in built.values() for p in found] + _unknown_groups(raw)
     problems += [Problem("model.init_from", text) for text in hf_problems]
     groups = {name: obj for name, (obj, _) in built.items()}
@@ -383,7 +384,7 @@ def _model_group(raw: Any) -> tuple[Any, list[str]]:
 
 
 def _unknown_groups(raw: dict[str, Any]) -> list[Problem]:
-    known = [*_GROUPS, "task", *TASK_GROUPS]
+    known = [*RUN_GROUPS, "task", *TASK_GROUPS]
     problems = []
     for name in (n for n in raw if n not in TASK_GROUPS):
         value = raw[name]

@@ -14,7 +14,7 @@ import typing
 
 import pytest
 
-from hpctrain.config.schema import _GROUPS
+from hpctrain.config.schema import RUN_GROUPS
 from hpctrain.config.validate.keys import RANGES
 from tests.conftest import make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir, tiktoken_file
@@ -380,9 +380,9 @@ def _numeric_keys(prefix: str, cls) -> list[str]:
     return keys
 
 
-@pytest.mark.parametrize("group", sorted(_GROUPS))
+@pytest.mark.parametrize("group", sorted(RUN_GROUPS))
 def test_every_numeric_key_has_a_range(group):
-    missing = [key for key in _numeric_keys(group, _GROUPS[group]) if key not in RANGES]
+    missing = [key for key in _numeric_keys(group, RUN_GROUPS[group]) if key not in RANGES]
     assert not missing, f"add these keys to hpctrain.config.validate.keys.RANGES: {missing}"
 
 

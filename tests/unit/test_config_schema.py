@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.config.build import build
 from hpctrain.config.hydra_schema import SCHEMAS, defaults_of
-from hpctrain.config.schema import _GROUPS
+from hpctrain.config.schema import RUN_GROUPS
 from hpctrain.config.validate.keys import REGISTRY_CHOICES, literal_table
 from tests.conftest import CONF, compose
 
@@ -183,10 +183,10 @@ def test_choices_come_from_the_literal_annotations():
     assert table["train.precision"] == ("fp32", "bf16", "fp16")
     assert table["task"] == ("train", "simulate", "bench", "plan", "prepare",
                              "export", "generate", "eval", "compat", "dryrun")
-    hints = {f"{g}.{k}": h for g, cls in _GROUPS.items()
+    hints = {f"{g}.{k}": h for g, cls in RUN_GROUPS.items()
              for k, h in typing.get_type_hints(cls).items()}
     assert all(typing.get_origin(hints[k]) is typing.Literal for k in table if k != "task")
     assert not set(REGISTRY_CHOICES) & set(table)  # a registry key is not also a Literal
     with pytest.raises(ValueError, match="train.precision='fp64' is not one of 'fp32', "
                                          "'bf16', 'fp16': did you mean train.precision=fp16"):
-        build(_GROUPS["train"], "train", {"precision": "fp64"})
+        build(RUN_GROUPS["train"], "train", {"precision": "fp64"})

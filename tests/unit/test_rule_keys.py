@@ -8,7 +8,7 @@ import dataclasses
 import typing
 
 from hpctrain.config.build import config_key, type_hints
-from hpctrain.config.schema import _GROUPS, TASK_GROUPS, Task
+from hpctrain.config.schema import RUN_GROUPS, TASK_GROUPS, Task
 from hpctrain.tasks import TASKS
 
 
@@ -23,7 +23,7 @@ def _keys(prefix: str, cls: type) -> set[str]:
     return out
 
 
-KEYS = {k for group, cls in _GROUPS.items() for k in _keys(group, cls)}
+KEYS = {k for group, cls in RUN_GROUPS.items() for k in _keys(group, cls)}
 
 
 def _exists(read: str) -> bool:

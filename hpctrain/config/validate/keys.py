@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hpctrain.config.build import Problem, choice_text, literal_choices, type_hints
-from hpctrain.config.schema import _GROUPS, Config, Task
+from hpctrain.config.schema import RUN_GROUPS, Config, Task
 from hpctrain.ops.attention import ATTENTION_BACKENDS
 from hpctrain.parallel.pipeline.schedules import SCHEDULES
 
@@ -29,7 +29,7 @@ def literal_table() -> dict[str, tuple]:
     """key → allowed values of every `Literal[...]` field of the run's groups, read from the
     dataclass annotations (the one list; `config.build_checked` enforces it while parsing)."""
     table = {"task": TASKS}
-    for group, cls in _GROUPS.items():
+    for group, cls in RUN_GROUPS.items():
         hints = type_hints(cls)
         table.update({f"{group}.{f.name}": allowed for f in fields(cls)
                       if (allowed := literal_choices(hints[f.name])) is not None})
