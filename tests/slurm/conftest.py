@@ -1,7 +1,8 @@
 """Fixtures for tests that run on the real local Slurm cluster (slurm/local/start.sh).
 
 `slurm_cluster` (session) starts or confirms the cluster; where this machine cannot run one
-(not root, no apt-get) it skips the tests, except under CI=true, where it fails them.
+(not root, no apt-get) it skips the tests, except under CI=true, where it fails them; jobs an
+interrupted earlier session left on it are cancelled first.
 `wait_job(job, timeout_s)` bounds every wait on a submitit job: without Slurm accounting,
 submitit cannot learn that a job died before writing its result and would wait forever.
 """
@@ -88,7 +89,30 @@ def slurm_cluster():
         mp.setenv("SLURM_CONF", str(state_dir / "slurm.conf"))
         for name in LEAKY_VARS:
             mp.delenv(name, raising=False)
+        _cancel_left_test_jobs()
         yield SlurmCluster(state_dir, state_dir / "slurm.conf", time.monotonic() - t0)
+
+
+def _cancel_left_test_jobs(timeout_s: float = 90) -> None:
+    """Cancel the jobs an interrupted earlier session left (their batch scripts lie under
+    pytest's temporary folders) and wait until every node is idle: a test that counts idle
+    nodes or CPUs must not find a stranger's job there."""
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %o"], capture_output=True, text=True,
+                           timeout=30).stdout
+    left = [line.split()[0] for line in queue.splitlines() if "/pytest-of-" in line]
+    if not left:
+        return
+    subprocess.run(["scancel", "--full", *left], capture_output=True, timeout=30)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
+                                text=True, timeout=30).stdout.split()
+        if states and all(s == "idle" for s in states):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"cancelled jobs {left} left by an earlier session; nodes still "
+                        f"{states} after {timeout_s} s")
+        time.sleep(0.5)
 
 
 def slurm_job_state(job_id: str) -> str | None:
