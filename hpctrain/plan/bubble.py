@@ -24,7 +24,7 @@ from functools import lru_cache
 from hpctrain.parallel.pipeline.actions import ActionKind
 from hpctrain.parallel.pipeline.schedules import SCHEDULES as BUILDERS
 from hpctrain.parallel.pipeline.schedules import interleaved_1f1b
-from hpctrain.parallel.pipeline.simulate import simulate
+from hpctrain.parallel.pipeline.simulate import check, simulate
 from hpctrain.plan.layout import SCHEDULES
 
 
@@ -35,9 +35,13 @@ def _check(schedule: str, pp: int, m: int, v: int) -> None:
         raise ValueError(f"pp={pp}, m={m}, v={v} must all be >= 1")
 
 
+@lru_cache(maxsize=1024)
 def _built(schedule: str, pp: int, m: int, v: int):
-    return interleaved_1f1b(pp, m, v) if schedule == "interleaved_1f1b" else BUILDERS[schedule](
-        pp, m)
+    """The schedule, built and checked once (a search times it under many costs)."""
+    built = interleaved_1f1b(pp, m, v) if schedule == "interleaved_1f1b" else BUILDERS[
+        schedule](pp, m)
+    check(built)
+    return built
 
 
 @lru_cache(maxsize=8192)
@@ -45,7 +49,7 @@ def _simulated(schedule: str, pp: int, m: int, v: int, costs: tuple[float, ...])
     """(bubble rate, peak activation sets per rank) of the built schedule."""
     built = _built(schedule, pp, m, v)
     t_f, t_b, t_w, t_comm = costs
-    sim = simulate(built, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm)
+    sim = simulate(built, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, checked=True)
     return sim.bubble_rate, tuple(sim.peak_activations)
 
 

@@ -150,10 +150,13 @@ def _peak_activations(acts: list) -> int:
 
 
 def simulate(
-    schedule: Schedule, *, t_f: float, t_b: float, t_w: float, t_comm: float = 0.0
+    schedule: Schedule, *, t_f: float, t_b: float, t_w: float, t_comm: float = 0.0,
+    checked: bool = False,
 ) -> SimResult:
-    """Check, then time the schedule with per-stage costs (see the module docstring)."""
-    _check_complete(schedule)
+    """Check (unless `checked`: it passed `check` already), then time the schedule with
+    per-stage costs (see the module docstring)."""
+    if not checked:
+        _check_complete(schedule)
     cost = {F: t_f, B: t_b, W: t_w, BW: t_b + t_w}
     timeline = timelines(schedule, lambda _rank, a: cost[a.kind], t_comm)
     makespan = max((acts[-1][1] for acts in timeline if acts), default=0.0)

@@ -34,6 +34,7 @@ experts (hpctrain.parallel.data.engine).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -74,19 +75,26 @@ def block_numels(model: ModelConfig, *, tp: int = 1, layer: int = 0, ep: int = 1
     """Parameter sizes of block `layer` on a tp rank, in registration order: the family's block
     (hpctrain.models.registry.meta_part), each parameter cut by the tp plan; with ep > 1 the
     routed experts are left to `expert_groups`."""
-    block = _block(model, layer)
+    return list(_kind_numels(model, model.is_moe_layer(layer), tp=tp, ep=ep))
+
+
+@functools.lru_cache(maxsize=256)
+def _kind_numels(model: ModelConfig, moe: bool, *, tp: int, ep: int) -> tuple[int, ...]:
+    """`block_numels` of the blocks of one kind (a search asks for each layout's every block)."""
+    block = _block(model, next(i for i in range(model.n_layers) if model.is_moe_layer(i) == moe))
     routed = _routed(block) if ep > 1 else set()
-    return [_held_numel(model, name, p.shape, tp=tp) for name, p in block.named_parameters()
-            if id(p) not in routed]
+    return tuple(_held_numel(model, name, p.shape, tp=tp) for name, p in block.named_parameters()
+                 if id(p) not in routed)
 
 
-def _ends(model: ModelConfig, *, embed: bool, tp: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def _ends(model: ModelConfig, *, embed: bool, tp: int) -> tuple[int, ...]:
     """Sizes on a tp rank of the embedding (`embed`), or of what follows the blocks: the final
     norm and the output head (an untied one: a tied head is the embedding)."""
     part = meta_part(model, Part(range(0), embed=embed, head=not embed))
     head = f"{family_of(model).head}."
-    return [_held_numel(model, name, p.shape, tp=tp) for name, p in part.named_parameters()
-            if embed or not (model.tied_embeddings and name.startswith(head))]
+    return tuple(_held_numel(model, name, p.shape, tp=tp) for name, p in part.named_parameters()
+                 if embed or not (model.tied_embeddings and name.startswith(head)))
 
 
 def param_groups(model: ModelConfig, *, tp: int = 1, ep: int = 1) -> tuple[
@@ -94,7 +102,7 @@ def param_groups(model: ModelConfig, *, tp: int = 1, ep: int = 1) -> tuple[
     """(embedding, per-block sizes, after-blocks sizes: final norm and an untied head) on a
     tp rank; the routed experts of an ep > 1 layout are left to `expert_groups`."""
     blocks = [block_numels(model, tp=tp, layer=i, ep=ep) for i in range(model.n_layers)]
-    return _ends(model, embed=True, tp=tp), blocks, _ends(model, embed=False, tp=tp)
+    return list(_ends(model, embed=True, tp=tp)), blocks, list(_ends(model, embed=False, tp=tp))
 
 
 def expert_groups(model: ModelConfig, *, ep: int) -> list[list[int]]:
