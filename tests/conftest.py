@@ -103,11 +103,11 @@ def _quiet_env():
     yield
 
 
-# With pytest-xdist (tests/run.sh: -n 3 --dist loadgroup --no-loadscope-reorder) each worker
+# With pytest-xdist (tests/run.sh: -n 2 --dist loadgroup --no-loadscope-reorder) each worker
 # takes whole groups, in the order given here: a test file is a group (its module fixtures and
 # cached references are computed once), the 8-rank worlds' files and tests (marked world8) share
 # one (one worker holds an 8-rank world), and the Slurm tests are one group, first in line: they
-# mostly wait on the cluster, so the other workers run the rest meanwhile. Then the longest
+# mostly wait on the cluster, so the other worker runs the rest meanwhile. Then the longest
 # groups (LONGEST: seconds alone on an idle 2-core machine, 2026-12-07), so that no long group
 # starts last and runs alone at the end; then the rest in file order.
 LONGEST = {"tests/integration/test_readme_commands.py": 238,

@@ -12,10 +12,11 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 export OMP_NUM_THREADS=1 WANDB_SILENT=true
-# Three pytest workers (pytest-xdist) on two cores: the Slurm tests mostly wait on the cluster,
-# and so do the fault tests' timeouts, so two more streams of tests fill the machine;
-# tests/conftest.py groups them and orders the groups, longest first
-# (HPCTRAIN_TEST_WORKERS=0 runs everything in this one process). The 20 slowest tests end the
-# log.
+# Two pytest workers (pytest-xdist), one per core: the Slurm tests, first in one of them, wait
+# on the cluster's jobs, which use the cores meanwhile. The cores are busy throughout, so a
+# third worker only oversubscribes them (measured 2026-12-07: 20:40 with two workers, 21:25 to
+# 23:30 with three). tests/conftest.py groups the tests and orders the groups, longest
+# first (HPCTRAIN_TEST_WORKERS=0 runs everything in this one process). The 20 slowest tests
+# end the log.
 exec python -m pytest -q -p no:cacheprovider --durations=20 \
-  -n "${HPCTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
+  -n "${HPCTRAIN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
