@@ -15,8 +15,14 @@ median step time after warm-up, the hpctrain/torch ratio, the dp-mean loss per s
 per-rank bytes held after the optimizer step (storage de-duplicated by pointer; what is
 counted for each engine is listed in `benchmarks/results/dp_zero.md`).
 
+With `--alone` each engine instead runs by itself in a fresh world of rank processes, one
+after the other (A B A B … for `--repeats`), so each rank's peak resident memory (VmHWM of
+/proc/self/status, over the whole process: imports, build, every step) is that engine's
+alone; reported per engine: median step time and the largest VmHWM of a rank.
+
     python benchmarks/bench_dp.py --steps 8
     python benchmarks/bench_dp.py --steps 8 --pairs hsdp
+    python benchmarks/bench_dp.py --alone --pairs zero3 --steps 4 --dim 1024 --layers 24
 """
 
 from __future__ import annotations
@@ -203,15 +209,19 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def build_pair(pair: str, args) -> tuple[Engine, Engine]:
+def build_engine(pair: str, which: int, args) -> Engine:
+    """Engine `which` of `pair`: 0 hpctrain's, 1 torch's."""
     zero, peer = PAIRS[pair]
-    if peer == "hsdp":
-        return (hpctrain_engine(zero, args, replicas=REPLICAS),
-                fsdp2_engine(args, replicas=REPLICAS))
-    ours = hpctrain_engine(zero, args)
-    if peer == "fsdp2":
-        return ours, fsdp2_engine(args)
-    return ours, ddp_engine(args, zero_redundancy=peer == "zero_redundancy")
+    replicas = REPLICAS if peer == "hsdp" else 1
+    if which == 0:
+        return hpctrain_engine(zero, args, replicas=replicas)
+    if peer in ("hsdp", "fsdp2"):
+        return fsdp2_engine(args, replicas=replicas)
+    return ddp_engine(args, zero_redundancy=peer == "zero_redundancy")
+
+
+def build_pair(pair: str, args) -> tuple[Engine, Engine]:
+    return build_engine(pair, 0, args), build_engine(pair, 1, args)
 
 
 # -- measurement ---------------------------------------------------------------------------------
@@ -249,6 +259,29 @@ def run_pair(pair: str, args) -> dict:
             "notes": {e.name: e.notes for e in engines}}
 
 
+def vm_hwm_bytes() -> int:
+    """This process's peak resident memory (VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def run_alone(pair: str, which: int, args) -> dict:
+    """One engine of `pair` by itself in this world: its step times, losses and each rank's
+    VmHWM at the end."""
+    engine = build_engine(pair, which, args)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        t, loss = timed_step(engine, step, args, measure=False)
+        losses.append(loss)
+        if step >= args.warmup:
+            times.append(t)
+    hwm: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hwm, vm_hwm_bytes())
+    return {"pair": pair, "engine": engine.name, "times": times, "losses": losses, "hwm": hwm}
+
+
 def profile_pair(pair: str, args) -> dict[str, str]:
     """torch.profiler over `args.steps` steps of each engine (after warm-up), rank 0's view."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -276,6 +309,8 @@ def rank_main(rank: int, world: int, store_path: str, args, results) -> None:
     try:
         if args.profile:
             out = {pair: profile_pair(pair, args) for pair in args.pairs}
+        elif args.alone_run is not None:
+            out = run_alone(*args.alone_run, args)
         else:
             out = [run_pair(pair, args) for pair in args.pairs]
         if rank == 0:
@@ -346,7 +381,11 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of timing, print rank 0's torch.profiler table per engine")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--alone", action="store_true",
+                   help="each engine alone in fresh rank processes: peak RSS (VmHWM) per rank")
+    p.add_argument("--repeats", type=int, default=2, help="--alone: worlds per engine")
     args = p.parse_args(argv)
+    args.alone_run = None
     unknown = set(args.pairs) - set(PAIRS)
     if unknown:
         p.error(f"--pairs {sorted(unknown)} unknown: choose from {list(PAIRS)}")
@@ -358,15 +397,57 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    world = WORLD.get(args.pairs[0], 2)
+def run_world(world: int, args):
+    """`rank_main` on `world` fresh rank processes; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(rank_main, args=(world, str(Path(tmp) / "store"), args, results),
                            nprocs=world, start_method="spawn", join=True)
-        out = results["out"]
+        return results["out"]
+
+
+def alone_report(runs: list[dict]) -> str:
+    """Per pair: each engine's median step time and largest VmHWM of a rank, the ratios."""
+    lines = ["| pair | engine | median step (s) | peak RSS per rank, max (MiB) | VmHWM by rank "
+             "and world (MiB) | first / last loss | step ratio | memory ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for pair in dict.fromkeys(r["pair"] for r in runs):
+        mine = [r for r in runs if r["pair"] == pair]
+        names = list(dict.fromkeys(r["engine"] for r in mine))
+        med = {n: statistics.median(t for r in mine if r["engine"] == n for t in r["times"])
+               for n in names}
+        hwm = {n: max(h for r in mine if r["engine"] == n for h in r["hwm"]) for n in names}
+        for n in names:
+            runs_n = [r for r in mine if r["engine"] == n]
+            by = "; ".join(", ".join(_mib(h) for h in r["hwm"]) for r in runs_n)
+            ratio = (f"**{med[n] / med[names[1]]:.2f}×** | **{hwm[n] / hwm[names[1]]:.2f}×**"
+                     if n == names[0] else " | ")
+            lines.append(f"| {pair} | {n} | {med[n]:.3f} | {_mib(hwm[n])} | {by} | "
+                         f"{runs_n[0]['losses'][0]:.6f} / {runs_n[0]['losses'][-1]:.6f} | "
+                         f"{ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world = WORLD.get(args.pairs[0], 2)
+    if args.alone:
+        runs = []
+        for pair in args.pairs:
+            for _ in range(args.repeats):
+                for which in (0, 1):
+                    args.alone_run = (pair, which)
+                    runs.append(run_world(world, args))
+        print(f"model: {model_config(args).num_params() / 1e6:.1f}M params, dim {args.dim}, "
+              f"{args.layers} layers, vocab {args.vocab}; batch {args.batch}×{args.seq} tokens "
+              f"per rank; {world} ranks gloo, 1 thread each; fp32; each engine alone in "
+              f"{args.repeats} fresh worlds (A B A B); warm-up {args.warmup}, timed {args.steps}")
+        print(alone_report(runs))
+        if args.json:
+            args.json.write_text(json.dumps(runs, indent=1))
+        return
+    out = run_world(world, args)
     if args.profile:
         for pair, tables in out.items():
             for name, table in tables.items():

@@ -152,6 +152,10 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 on CPU: allow_slow_precision
     allow_slow_precision: bool = False
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # parallel.zero=3: free each block's gathered weights after its forward and gather them
+    # again for its backward (FSDP2's default); false holds them until the block's backward
+    # (one gather a micro-batch, every block of the rank held at the end of the forward)
+    zero3_reshard_after_forward: bool = True
     # torch.compile: each transformer block on its own (one graph shared by identical blocks),
     # or the whole forward (hpctrain.models.compile). Compile time is in summary.json.
     compile: Literal["none", "blocks", "model"] = "none"

@@ -4,7 +4,8 @@ CPU has no allocator statistics for tensors (RSS and tracemalloc miss them), so 
 counts what the planner's activation model predicts: every tensor saved for backward while
 `ActivationMeter` is active (torch.autograd.graph.saved_tensors_hooks), de-duplicated by
 storage (views of one buffer count once), and released when autograd drops it (after that
-microbatch's backward). Parameters are model states, not activations, and are skipped.
+microbatch's backward). Parameters are model states, not activations, and are skipped: the
+tensors given (the engine's `parameter_tensors`, ZeRO-3's gathered buffers among them).
 Storages created by a rank's own communication buffers are not saved tensors and are not
 counted. `peak_bytes` is the largest live total seen since `reset`.
 
@@ -43,9 +44,11 @@ class ActivationMeter:
     """Context manager counting live saved-for-backward bytes (module docstring)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
-        # Held, not only keyed: a storage freed later (ZeRO-3 re-points its parameters) could
-        # hand its address, and so its key, to a new tensor that must be counted.
-        self._held = [s for s in (p.untyped_storage() for p in params) if s.nbytes()]
+        # Held, not only keyed: a storage freed later could hand its address, and so its key,
+        # to a new tensor that must be counted. Empty ones too: a ZeRO-3 unit's buffer is 0
+        # bytes between its gathers (hpctrain.parallel.data.units) and saved views of it are
+        # parameter memory, which the engine's ledger counts while gathered.
+        self._held = [p.untyped_storage() for p in params]
         self.skip = {storage_key(s) for s in self._held}
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}

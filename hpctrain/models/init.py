@@ -35,7 +35,7 @@ def full_init(name: str, shape: torch.Size, cfg: ModelConfig, *, seed: int) -> t
     if std is None:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen).mul_(std)  # in place: one full-size tensor
 
 
 @torch.no_grad()

@@ -150,12 +150,13 @@ def candidates(cfg: Config, *, accept: Accept | None = None) -> list[Candidate]:
         dp_overlap=settings.dp_overlap,
         context_parallel=[d for d in range(1, n + 1) if n % d == 0], exact_top=settings.top,
         accept=None if accept is None else (lambda c: not accept(with_layout(cfg, c))),
-        where=_keeps(cfg))
+        where=_keeps(cfg), zero3_reshard=t.zero3_reshard_after_forward)
     if any(c.fits for c in found):
         return found
     where = _keeps(cfg) or (lambda layout, recompute: True)
     kw = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-              seq_len=t.seq_len, precision=t.precision, dp_overlap=settings.dp_overlap)
+              seq_len=t.seq_len, precision=t.precision, dp_overlap=settings.dp_overlap,
+              zero3_reshard=t.zero3_reshard_after_forward)
     offloaded = [evaluate_layout(cfg.model, budget, dataclasses.replace(c.layout, offload="cpu"),
                                  c.recompute, **kw) for c in found if c.layout.pp == 1]
     offloaded = [c for c in offloaded if where(c.layout, c.recompute)]

@@ -26,11 +26,12 @@ an all-to-all N less the part kept, a send N, a receive 0 (one op each).
        The pipeline's messages go between global ranks over the default ("world") group
   dp   per flat unit (`plan.flat_states.unit_numels`, padded to the shard group, P elements):
        gradients on the wire in fp32 (parallel.grad_comm_dtype=fp32): an all-reduce at ZeRO
-       0 and 1 (ZeRO-1 keeps the full gradient bucket), a reduce-scatter at 2 and 3; with a
+       0, a reduce-scatter at 1, 2 and 3 (ZeRO-1 keeps the full gradient bucket through
+       accumulation, but needs only its shard of the sum); with a
        16-bit wire an all-gather of every rank's 16-bit buffer (summed in fp32 after); then at
        ZeRO 1 and 2 the updated parameters' all-gather (P·p bytes out); at ZeRO 3 each block's
-       unit is gathered twice a microbatch (forward, and again for its backward), the
-       non-block unit once
+       unit is gathered twice a microbatch (forward, and again for its backward; once
+       with train.zero3_reshard_after_forward=false), the non-block unit once
   ep   per microbatch and MoE block: the counts' all-to-all (E int64) and four all-to-alls of
        the routed rows (dispatch and combine, forward and backward; +2 with full
        recomputation), each sending (ep−1)/ep of the rank's T·k'·h·e routed bytes (the bound
@@ -41,11 +42,10 @@ a few bytes each.
 
 `plan.time`'s seconds keep the communication of the papers its constants were fitted to
 (Megatron-LM's tables), which departs from these counts where hpctrain's code does: a pipeline
-hop of b·s·h/t (Megatron's scatter/gather) where hpctrain sends b·s·h without sp; ZeRO-1 as a
-reduce-scatter where hpctrain all-reduces its full bucket (3Ψ sent with the all-gather, not
-2Ψ); ZeRO-3's second all-gather once a step where hpctrain gathers every microbatch; full
-recomputation's 2 extra tp all-reduces a block where torch's early-stopping recomputation
-issues 1; 16-bit gradient wires at half the fp32 bytes where hpctrain all-gathers them.
+hop of b·s·h/t (Megatron's scatter/gather) where hpctrain sends b·s·h without sp; ZeRO-3's
+second all-gather once a step where hpctrain gathers every microbatch; full recomputation's
+2 extra tp all-reduces a block where torch's early-stopping recomputation issues 1; 16-bit
+gradient wires at half the fp32 bytes where hpctrain all-gathers them.
 """
 
 from __future__ import annotations
@@ -206,13 +206,13 @@ def _dp(model, layout, step, *, pp_rank) -> dict[str, Volume]:
 
 
 def _replicate(model, held, *, n: int, zero: int, p: int, step, replicas: int) -> Volume:
-    """HSDP: each unit's reduced gradients (its shard at ZeRO 2/3, else the whole buffer)
+    """HSDP: each unit's reduced gradients (its shard at ZeRO 1-3, the whole buffer at 0)
     all-reduced in fp32 over the replicas holding the same shards, once a step."""
     total = Volume()
     for numels in unit_numels(model, zero=zero, bucket_mb=step.bucket_mb, elem_bytes=p,
                               held=held):
         lay = ShardLayout(numels, n_shards=n if zero >= 1 else 1)
-        total += all_reduce(4 * (lay.shard_size if zero >= 2 else lay.padded_numel), replicas)
+        total += all_reduce(4 * (lay.shard_size if zero >= 1 else lay.padded_numel), replicas)
     return total
 
 
@@ -227,15 +227,16 @@ def _units(model, held, *, n: int, zero: int, p: int, step, replicas: int = 1) -
         padded = ShardLayout(numels, n_shards=n if zero >= 1 else 1).padded_numel
         if wire == 2:  # a 16-bit wire: every rank's buffer gathered, summed in fp32
             total += gather(n * padded * wire, n)
-        elif zero <= 1:
+        elif zero == 0:
             total += all_reduce(padded * wire, n)
-        else:
+        else:  # a reduce-scatter: the same bytes as the all-gather of its input's size
             total += gather(padded * wire, n)
         if zero in (1, 2):
             total += gather(padded * p, n)
         elif zero == 3:  # the non-block unit comes first (flat_states.unit_numels)
             ends = k == 0 and has_ends
-            total += gather(padded * p, n).times(step.microbatches * (1 if ends else 2))
+            once = ends or not step.zero3_reshard  # gathered again for backward, or held
+            total += gather(padded * p, n).times(step.microbatches * (1 if once else 2))
     return total
 
 

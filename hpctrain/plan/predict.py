@@ -32,7 +32,13 @@ from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.inputs import cluster_spec, layout_of, simulated_in_flight
 from hpctrain.plan.memory.formulas import ModelStates
-from hpctrain.plan.memory.model import StepShape, engine_states, rank_memory, stage_activations
+from hpctrain.plan.memory.model import (
+    StepShape,
+    engine_states,
+    gathered_bytes,
+    rank_memory,
+    stage_activations,
+)
 from hpctrain.plan.time import step_time
 
 log = logging.getLogger(__name__)
@@ -60,7 +66,8 @@ def step_shape(cfg: Config) -> StepShape:
                      precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
                      checkpoint_async=cfg.train.checkpoint_async,
                      packed=cfg.data.packing != "none",
-                     grad_comm_dtype=cfg.parallel.grad_comm_dtype)
+                     grad_comm_dtype=cfg.parallel.grad_comm_dtype,
+                     zero3_reshard=t.zero3_reshard_after_forward)
 
 
 def predicted_states(cfg: Config) -> ModelStates:
@@ -78,14 +85,16 @@ def predicted_activations(cfg: Config) -> dict[str, float]:
 def predicted_peak(cfg: Config) -> dict[str, float]:
     """Bytes on the busiest rank (`plan.rank_memory`, the model the layout search uses):
     model states, activations (the larger stage), buffers and their total; and the logging
-    rank's states + activations for the run's comparison with its ledger."""
+    rank's states + activations (+ ZeRO-3's gathered units) for the run's comparison with its
+    ledger."""
     layout = layout_of(cfg)
     simulated_in_flight(cfg)  # the runtime's checks of the schedule, same messages
     mem = rank_memory(cfg.model, layout, step_shape(cfg))
     states, acts = mem.params + mem.grads + mem.optimizer, predicted_activations(cfg)
+    gathered = gathered_bytes(cfg.model, layout, step_shape(cfg))  # ZeRO-3's, in the ledger
     return {"states": states, "activations": mem.activations, "buffers": mem.buffers,
             "total": mem.total, "logging_rank_activations": acts["last"],
-            "logging_rank_total": states + acts["last"]}
+            "logging_rank_total": states + acts["last"] + gathered}
 
 
 def predicted_step_time(cfg: Config, cluster: ClusterSpec):

@@ -21,7 +21,7 @@ def plan_report(
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     in_flight: int | None = None, dp_overlap: float = 0.0,
     attended_per_token: float | None = None, fp8: bool = False,
-    usable_bytes: float | None = None,
+    usable_bytes: float | None = None, zero3_reshard: bool = True,
 ) -> dict:
     """Memory (bytes) and time predictions for one layout, with every input echoed.
 
@@ -41,7 +41,8 @@ def plan_report(
     scored = evaluate_layout(model, cluster, layout, recompute, global_batch=global_batch,
                              micro_batch_size=micro_batch_size, seq_len=seq_len,
                              precision=precision, dp_overlap=dp_overlap, in_flight=in_flight,
-                             attended_per_token=attended_per_token, fp8=fp8)
+                             attended_per_token=attended_per_token, fp8=fp8,
+                             zero3_reshard=zero3_reshard)
     mem, t = scored.memory, scored.time
     usable = float(cluster.device.memory_bytes if usable_bytes is None else usable_bytes)
     memory = {k: getattr(mem, k) for k in _MEMORY_KEYS}

@@ -98,17 +98,19 @@ def _replicas(dp: int, inner: int, ep: int, zero: int, gpus_per_node: int) -> tu
 def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_batch_size,
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
                     attended_per_token: float | None = None, fp8: bool = False,
-                    exact: bool = True, ov: Stack = NONE, bucket_mb: float = 25.0
-                    ) -> Candidate:
+                    exact: bool = True, ov: Stack = NONE, bucket_mb: float = 25.0,
+                    zero3_reshard: bool = True) -> Candidate:
     """Memory (the one model, `plan.rank_memory`) and time of one layout. in_flight:
     activation sets alive at the peak on every pipeline rank; None takes the schedule's, rank
     by rank. attended_per_token: keys per token under document masks (`plan.time.step_time`).
     fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies.
     exact=False: the step time without the pipeline's bubble (a lower bound, not simulated).
-    ov: the communication the stack overlaps (`hpctrain.plan.stack`)."""
+    ov: the communication the stack overlaps (`hpctrain.plan.stack`). zero3_reshard:
+    train.zero3_reshard_after_forward (a ZeRO-3 layout's gathered blocks)."""
     m = global_batch // (micro_batch_size * layout.dp)
     step = StepShape(seq_len=seq_len, micro_batch_size=micro_batch_size, microbatches=m,
-                     recompute=recompute, precision=precision, fp8=fp8, bucket_mb=bucket_mb)
+                     recompute=recompute, precision=precision, fp8=fp8, bucket_mb=bucket_mb,
+                     zero3_reshard=zero3_reshard)
     mem = rank_memory(model, layout, step,
                       in_flight=None if in_flight is None else (in_flight,) * layout.pp)
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
@@ -149,7 +151,7 @@ def search_layouts(
     attended_per_token: float | None = None, context_parallel: Sequence[int] = (1,),
     fp8: bool = False, exact_top: int | None = None,
     accept: Callable[[Candidate], bool] | None = None,
-    where: Callable[[Layout, str], bool] | None = None,
+    where: Callable[[Layout, str], bool] | None = None, zero3_reshard: bool = True,
 ) -> list[Candidate]:
     """All valid candidates, fitting ones fastest first, each with its reason (module doc).
     `context_parallel`: cp degrees to try; those not dividing seq_len into 2·cp chunks are
@@ -172,7 +174,7 @@ def search_layouts(
     )
     kw = dict(global_batch=global_batch, micro_batch_size=micro_batch_size, seq_len=seq_len,
               precision=precision, dp_overlap=dp_overlap, attended_per_token=attended_per_token,
-              fp8=fp8)
+              fp8=fp8, zero3_reshard=zero3_reshard)
     exact = exact_top is None
     scored = [evaluate_layout(model, cluster, lay, r, **kw, exact=exact)
               for lay in layouts for r in recomputes if where is None or where(lay, r)]

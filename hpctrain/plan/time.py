@@ -208,7 +208,7 @@ def replicate_s(model: Shape, cluster, layout, *, precision: str,
                 ov: Stack = stack.NONE) -> float:
     """HSDP: seconds of the all-reduce of each rank's reduced gradients over the dp_replicate
     ranks holding the same shards (dp_shard·cp·tp apart, across nodes): its grad shard under
-    ZeRO-2/3, the whole buffers under ZeRO-0/1; dense and expert units. Issued after backward
+    ZeRO-1/2/3, the whole buffers under ZeRO-0; dense and expert units. Issued after backward
     (hpctrain.parallel.data.ddp): never overlapped."""
     r, dims = layout.dp_replicate, layout.dims
     if r == 1:
@@ -217,7 +217,7 @@ def replicate_s(model: Shape, cluster, layout, *, precision: str,
     bw, lat = dp_link(cluster, stride=dims.stride("replicate"), dp=r)
     dense = rank_params(model, tp=layout.tp, pp=layout.pp)
     routed = experts.rank_expert_params(model, ep=layout.ep, pp=layout.pp)
-    zero = layout.zero >= 2
+    zero = layout.zero >= 1
     nbytes = g_b * (dense / (dims.shard_size if zero else 1)
                     + routed / (dims.expert_shard_size if zero else 1))
     return ring_time(nbytes, n=r, bw=bw, latency=lat, op="all_reduce")

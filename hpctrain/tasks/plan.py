@@ -32,7 +32,8 @@ def run_plan(cfg: Config) -> dict[str, Any]:
                 else min(settings.document_tokens, t.seq_len))
     common = dict(global_batch=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                   seq_len=t.seq_len, precision=t.precision, attended_per_token=attended,
-                  fp8=t.fp8 and cluster.device.fp8_flops is not None)
+                  fp8=t.fp8 and cluster.device.fp8_flops is not None,
+                  zero3_reshard=t.zero3_reshard_after_forward)
     # fits: against the memory parallel=auto and the pre-launch check use (the limit less
     # plan.headroom), so the three never disagree
     limit = (settings.memory_limit_gb * GIB if settings.memory_limit_gb is not None

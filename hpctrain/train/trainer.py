@@ -77,7 +77,7 @@ class Trainer:
         self.dp = self.parallel.engine  # the one update path of every layout
         self.optimizer = self.dp.optimizer
         self.tp_hooks = tp_step_hooks(self.model, self.parallel.tp_plan)
-        self.activations = ActivationMeter(self.model.parameters())  # saved-for-backward bytes
+        self.activations = ActivationMeter(self.dp.parameter_tensors())  # saved-for-backward bytes
         self.scaler = LossScaler(enabled=t.precision == "fp16")
         # the splits and sampler (hpctrain.train.feed): a mixture's corpora each their own
         self.feed = Feed(cfg, prepare(cfg.data), dp_rank=mesh.coord("dp"))

@@ -91,7 +91,9 @@ def ep_gradients(ep: int, *, zero: int = 0, accum: int = 2, capacity: float = 0.
     captured = {}
 
     def capture(*, unscale, max_norm, loss):  # keep the reduced gradients, skip the update
-        captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        from hpctrain.parallel.data.state import full_grad_state
+
+        captured.update(full_grad_state(engine))  # the shards the optimizer would step on
         verdict = engine.optimizer.global_grad_norm(unscale=unscale, loss=loss)
         captured["norm"] = verdict.norm
         return verdict

@@ -58,3 +58,50 @@ def assert_trajectory_close(got, want) -> None:
     for (loss, norm), (loss1, norm1) in zip(got, want, strict=True):
         assert loss == pytest.approx(loss1, rel=1e-5)
         assert norm == pytest.approx(norm1, rel=1e-4)
+
+
+def zero3_memory(overrides: list[str], run_dir: str, *, steps: int = 2):
+    """The trainer on this world (BASE + `overrides`) for `steps`: its (loss, grad norm)
+    trajectory, its memory metrics, and under ZeRO-3 the bytes of the unit outside the blocks
+    and of the two largest consecutive blocks (with their experts' units), from the engine's
+    own units, and the planner's gathered bytes for the run (`plan.memory.model`)."""
+    from hpctrain.plan.inputs import layout_of
+    from hpctrain.plan.memory.model import gathered_bytes
+    from hpctrain.plan.predict import step_shape
+
+    trainer = run_trainer(overrides, run_dir, steps=steps)
+    trajectory = [(h["loss"], h["grad_norm"]) for h in trainer.history]
+    z = trainer.dp.zero3
+    if z is None:
+        return trajectory, trainer.memory_metrics(), None
+    size = [u.layout.padded_numel * u.full.element_size() for u in z.units]
+    blocks = [sum(size[u] for u in z.members[k]) for k in range(1, len(z.blocks) + 1)]
+    two = max(a + b for a, b in zip(blocks, blocks[1:], strict=False))
+    planned = gathered_bytes(trainer.cfg.model, layout_of(trainer.cfg), step_shape(trainer.cfg))
+    return trajectory, trainer.memory_metrics(), (size[0], two, sum(blocks), planned)
+
+
+def initial_values(overrides: list[str], run_dir: str) -> tuple[list[str], int]:
+    """The trainer's set-up on this rank of the world (BASE + `overrides`; the model built on
+    meta, only the rank's own elements computed): the parameters whose master values (gathered
+    over each unit's group), or at ZeRO 0-2 whose compute values, differ in any bit from the
+    single-process model's (its ep and tp slice), and how many were compared."""
+    from hpctrain.models import build_model
+    from hpctrain.parallel.data.state import full_model_state
+
+    trainer = run_trainer(overrides, run_dir, steps=1, run=False)
+    cfg, engine = trainer.cfg, trainer.dp
+    # every name of the single-process model, a tied head's too (it is the embedding)
+    ref = dict(build_model(cfg.model, seed=cfg.train.seed).named_parameters(
+        remove_duplicate=False))
+    masters, differ = full_model_state(engine), []
+    for name, value in masters.items():
+        want = trainer.parallel.shards[name].local_of(ref[name].detach())
+        if not torch.equal(value, want.to(value.dtype)):
+            differ.append(f"master {name}")
+    if engine.zero < 3:
+        for name, p in trainer.model.named_parameters():
+            want = trainer.parallel.shards[name].local_of(ref[name])
+            if not torch.equal(p.detach(), want.detach().to(p.dtype)):
+                differ.append(f"param {name}")
+    return differ, len(masters)

@@ -16,7 +16,10 @@ head's log-softmax counts while the last stage's sets live, not ceil(in flight /
 activations 0.23-1.00× (interleaved with full recompute, whose sets are small, most);
 full recomputation's rerun block counts at its backward, after the head's log-softmax is
 freed and without the stored input its fp32 norm shares: 0.72-1.00× more; nothing else
-changed, same verdicts and winners).
+changed, same verdicts and winners), and for issue 44 (ZeRO-3 frees each block's gathered
+weights after its forward: the 22 ZeRO-3 candidates' activations lose the rank's whole
+gathered model and their buffers gain the unit outside the blocks and two blocks, the two
+together 0.08-0.95× of before; nothing else changed, same verdicts and winners).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 

@@ -5,7 +5,10 @@ registration ≈ the order backward produces their gradients; under ZeRO-3 one u
 transformer block). A post-accumulate-grad hook counts each unit's ready gradients; when the
 last one lands, the unit's collective is issued asynchronously while backward continues:
 
-  zero 0/1  all_reduce of the flat bucket (p.grad are views into it)
+  zero 0    all_reduce of the flat bucket (p.grad are views into it)
+  zero 1    reduce_scatter of the flat bucket into this rank's grad shard: the bucket holds
+            the full local gradients through accumulation (the difference from ZeRO-2), but
+            only this rank's shard of their sum is needed, so ZeRO-1 sends what ZeRO-2 does
   zero 2/3  reduce_scatter into this rank's grad shard (full local grads are freed)
 
 Reduction is an explicit step: `no_sync()` (entered by the step for every micro-batch but the
@@ -13,8 +16,9 @@ last of an accumulation window) only accumulates locally; `finish()` issues what
 (units with unused parameters), waits for every collective and divides by dp.
 
 Hybrid sharding: `group` is the shard group and `replicas` the same shards' ranks in the other
-replicas; each unit's reduced result (its full buffer, or its grad shard) is then all-reduced
-over `replicas` in fp32 (fp64 for fp64) before the division by dp = shard size × replicas.
+replicas; each unit's reduced result (its full buffer at zero 0, else its grad shard) is then
+all-reduced over `replicas` in fp32 (fp64 for fp64) before the division by dp = shard size ×
+replicas.
 
 Wire dtype: with grad_comm_dtype=fp32 the sum is exact in fp32 (fp64 for fp64 grads). With
 bf16/fp16 on the wire, gradients are sent in 16 bits but summed in fp32: each rank all-gathers
@@ -136,7 +140,7 @@ class GradReducer:
         if wire != acc:  # 16-bit wire, fp32 sum: gather everyone's buffer
             out = torch.empty(dp * buf.numel(), dtype=wire, device=buf.device)
             work = dist.all_gather_single(out, buf, group=group, async_op=True)
-        elif unit.grad_full is not None:
+        elif unit.layout.n_shards == 1:  # zero 0: every rank updates everything
             out, work = buf, dist.all_reduce(buf, group=group, async_op=True)
         else:
             out = torch.empty(unit.layout.shard_size, dtype=wire, device=buf.device)
@@ -166,17 +170,14 @@ class GradReducer:
         dp = self._group_of(unit)[1]
         replicas = group_size(self.replicas)
         divisor = unit.grad_divisor or dp * replicas
+        sharded = unit.layout.n_shards > 1  # zero ≥ 1: only this rank's shard is reduced
+        lo, hi = unit.layout.shard_range(unit.shard_rank)
         if dp > 1 and buf.dtype != acc:
-            n = unit.layout.padded_numel
-            parts = buf.view(dp, n)
-            if unit.grad_full is None:
-                lo, hi = unit.layout.shard_range(unit.shard_rank)
-                parts = parts[:, lo:hi]
-            buf = parts.to(acc).sum(0)
+            parts = buf.view(dp, unit.layout.padded_numel)
+            buf = (parts[:, lo:hi] if sharded else parts).to(acc).sum(0)
         elif dp == 1 and unit.grad_full is None:
-            lo, hi = unit.layout.shard_range(unit.shard_rank)
             buf = buf[lo:hi]
-        target = unit.grad_full if unit.grad_full is not None else unit.grad_shard
+        target = unit.grad_full if unit.grad_full is not None and not sharded else unit.grad_shard
         if buf.data_ptr() != target.data_ptr():
             target.copy_(buf)
         if replicas > 1:  # the other replicas' sums of the same elements

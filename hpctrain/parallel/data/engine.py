@@ -31,6 +31,9 @@ weighs the micro-batches. Without HSDP `replicas` is None (or one rank) and `bat
 
 Precision: for bf16/fp16 the model's parameters are cast to 16 bits (compute copies) and fp32
 masters live in the optimizer shards; fp32 (and fp64) parameters are their own masters.
+
+`device`: where the units live. A model built on the meta device gets its memory there, unit
+by unit, and its values afterwards (`FlatUnit.deferred`; hpctrain.checkpoint.initial).
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class DataParallel:
                  optim, bucket_mb: float = 25.0, grad_comm_dtype: str = "fp32",
                  norm: NormSpec, offload: str = "none",
                  pre_reduce: Callable[[], None] | None = None,
-                 experts: ExpertGroups | None = None, replicas=None):
+                 experts: ExpertGroups | None = None, replicas=None,
+                 reshard_after_forward: bool = True, device: torch.device | None = None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={zero} must be one of 0, 1, 2, 3")
         self.model, self.group, self.zero, self.pre_reduce = model, group, zero, pre_reduce
@@ -126,8 +130,8 @@ class DataParallel:
         is_expert = (lambda p: id(p) in experts.params) if experts else (lambda p: False)
         kw = dict(zero=zero, bucket_bytes=bucket_mb * 2**20, elem=dtype.itemsize)
         dense = _groups(model, [(n, p) for n, p in named if not is_expert(p)], **kw)
-        self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype, group=group)
-                      for i, g in enumerate(dense)]
+        self.units = [FlatUnit(i, g, dp=dp, rank=rank, zero=zero, dtype=dtype, group=group,
+                               device=device) for i, g in enumerate(dense)]
         block_units = {}  # ZeRO-3: block + 1 → its expert unit, gathered with the block
         if experts is not None:  # reduced and sharded over the ranks holding the same experts
             for block, g in _expert_groups(model, [(n, p) for n, p in named if is_expert(p)],
@@ -137,8 +141,9 @@ class DataParallel:
                 self.units.append(FlatUnit(
                     len(self.units), g, dp=group_size(experts.group),
                     rank=group_rank(experts.group), zero=zero, dtype=dtype,
-                    group=experts.group, grad_divisor=experts.divisor))
-        self.zero3 = (Zero3Params(model, self.units, group=group, experts=block_units)
+                    group=experts.group, grad_divisor=experts.divisor, device=device))
+        self.zero3 = (Zero3Params(model, self.units, group=group, experts=block_units,
+                                  reshard_after_forward=reshard_after_forward)
                       if zero == 3 else None)
         self.reducer = GradReducer(self.units, group, zero, grad_comm_dtype, replicas=replicas,
                                    on_unit_done=self.zero3.on_unit_done if self.zero3 else None)
@@ -208,6 +213,13 @@ class DataParallel:
         return StepResult(float(loss) if loss is not None else math.nan, verdict.norm, skipped,
                           verdict.nonfinite)
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding parameter values: the model's parameters and the units' buffers
+        (ZeRO-3's gathered ones too, whose storages outlive each gather): what an
+        `ActivationMeter` must not count as saved activations."""
+        return [*self.model.parameters(), *(u.full for u in self.units),
+                *(u.shard for u in self.units)]
+
     def ledger(self) -> dict[str, int]:
         """Bytes this rank holds now, de-duplicated by storage (what `model_state_bytes` models).
 
@@ -217,7 +229,7 @@ class DataParallel:
         reported as mem_optim_host_bytes.
         """
         seen: set[int] = set()
-        params = [u.full for u in self.units if u.full is not None] + [u.shard for u in self.units]
+        params = [u.full for u in self.units] + [u.shard for u in self.units]
         grads = [u.grad_full if u.grad_full is not None else u.grad_shard for u in self.units]
         out = {"mem_params_bytes": storage_bytes(params, seen),
                "mem_grads_bytes": storage_bytes(grads, seen)}
@@ -226,6 +238,8 @@ class DataParallel:
         out["mem_optim_bytes"] = 0 if host else optim
         out["mem_optim_host_bytes"] = optim if host else 0
         out["mem_buffers_bytes"] = storage_bytes(self.model.buffers(), seen)
+        if self.zero3 is not None:  # the step's high-water mark of gathered units
+            out["mem_gathered_peak_bytes"] = self.zero3.peak_bytes - self.zero3.shard_bytes
         return out
 
     def padding(self) -> int:

@@ -1,9 +1,10 @@
 """Full (unsharded) state dicts of a DataParallel engine, and refreshing it after a load.
 
-`full_model_state` / `full_optim_state` gather every unit's master / exp_avg / exp_avg_sq
-shards into full per-parameter tensors keyed by FQN (one full copy of each tensor on every
-rank): for comparisons in tests and small consolidated exports, never for training saves —
-checkpoints write each rank's own shards (hpctrain.checkpoint.shards).
+`full_model_state` / `full_optim_state` / `full_grad_state` gather every unit's master /
+exp_avg / exp_avg_sq / reduced-gradient shards into full per-parameter tensors keyed by FQN
+(one full copy of each tensor on every rank): for comparisons in tests and small
+consolidated exports, never for training saves — checkpoints write each rank's own shards
+(hpctrain.checkpoint.shards).
 
 `refresh_from_masters` is what a load does after the optimizer's masters and moments were
 filled in place: set the step count and rebuild the compute-dtype parameters from the masters.
@@ -39,6 +40,15 @@ def full_model_state(engine) -> dict[str, torch.Tensor]:
     for unit in engine.units:
         out.update(_split(unit, _gather(unit, engine.optimizer.state[unit.index]["master"],
                                         unit.group)))
+    return out
+
+
+def full_grad_state(engine) -> dict[str, torch.Tensor]:
+    """The reduced gradients the optimizer steps on, gathered from every rank's grad shard
+    into full tensors by FQN (after the reduction, before zero_grad)."""
+    out: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        out.update(_split(unit, _gather(unit, unit.grad_shard, unit.group)))
     return out
 
 

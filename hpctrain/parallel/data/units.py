@@ -4,12 +4,21 @@ A unit is the bucket of gradient reduction and, under ZeRO-3, the block that is 
 before use. Buffers (Ψᵤ = the unit's elements, S = its shard size, dp·S = Ψᵤ + padding):
 
   full        dp·S params, compute dtype; the model's parameters are views into it
-              (persistent for zero < 3; under zero 3 only while gathered)
+              (persistent for zero < 3; under zero 3 one tensor for the run whose storage
+              holds memory only while gathered: freeing resizes it to 0 bytes, gathering
+              back to dp·S, so what autograd saved as views of it is released with it
+              and valid again once the unit is gathered, as FSDP2 frees its blocks)
   shard       S params: a view of `full` for zero < 3, the persistent storage for zero 3
   grad_full   dp·S grads for zero < 2; p.grad are views into it (bucket-as-grad-view)
   grad_shard  S grads: a view of `grad_full` for zero < 2, its own storage for zero ≥ 2
 
 For zero = 0 the layout has one shard (the whole unit): every rank updates everything.
+
+Parameters built on the meta device (hpctrain.train.setup: a rank's model is built there and
+sharded before anything is materialised) get their memory here, on `device`: the buffers
+above and nothing else, so a ZeRO-3 rank never holds more than one unit's full buffer, and
+that only while the unit is set up. Their values are not known yet (`deferred`): the caller
+fills the optimizer's masters (hpctrain.checkpoint.initial) and refreshes the parameters.
 
 `group`: the ranks the unit is reduced and sharded over — the engine's (ZeRO) group, or for
 expert parameters (hpctrain.parallel.moe) the ranks holding the same experts. `grad_divisor`:
@@ -51,21 +60,32 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class FlatUnit:
     def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]], *, dp: int,
                  rank: int, zero: int, dtype: torch.dtype, group: dist.ProcessGroup | None,
-                 grad_divisor: int | None = None):
+                 grad_divisor: int | None = None, device: torch.device | None = None):
         self.index, self.zero, self.dtype = index, zero, dtype
         self.group, self.grad_divisor = group, grad_divisor
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
-        self.device = self.params[0].device
+        self.device = self.params[0].device if device is None else torch.device(device)
         self.layout = ShardLayout(tuple(p.numel() for p in self.params),
                                   n_shards=dp if zero >= 1 else 1)
         self.shard_rank = rank if zero >= 1 else 0
         lo, hi = self.layout.shard_range(self.shard_rank)
-        flat = self._flatten_values()  # original precision, e.g. fp32 before casting to bf16
-        self.initial_master = flat[lo:hi].clone() if flat.dtype != dtype else None
-        self.full: torch.Tensor | None = flat.to(dtype)
-        self.shard = self.full[lo:hi] if zero < 3 else self.full[lo:hi].clone()
+        self.deferred = self.params[0].is_meta and self.device.type != "meta"
+        if self.deferred:  # module docstring: memory here, values later
+            self._materialise_params()
+            self.initial_master = None
+            if zero < 3:
+                self.full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
+                self.shard = self.full[lo:hi]
+            else:  # the shard only: the full buffer gets its memory when gathered
+                self.full = _empty(dtype, self.device)
+                self.shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        else:
+            flat = self._flatten_values()  # original precision, e.g. fp32 before casting to bf16
+            self.initial_master = flat[lo:hi].clone() if flat.dtype != dtype else None
+            self.full = flat.to(dtype)
+            self.shard = self.full[lo:hi] if zero < 3 else self.full[lo:hi].clone()
         self.grad_full = None
         if zero < 2:
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
@@ -75,10 +95,18 @@ class FlatUnit:
                                for o in self.layout.offsets]
         else:
             self.grad_shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
-        self.bind_params()
+        if self.full.numel():
+            self.bind_params()
         self.bind_grads()
         if zero == 3:
             self.free_params()
+
+    def _materialise_params(self) -> None:
+        """Turn each meta parameter into an empty one on this unit's device, in place (the same
+        Python object: every reference to it stays valid); `bind_params` gives it memory."""
+        for p in self.params:
+            torch.utils.swap_tensors(p, torch.nn.Parameter(
+                _empty(self.dtype, self.device), requires_grad=p.requires_grad))
 
     def _flatten_values(self) -> torch.Tensor:
         flat = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype,
@@ -94,21 +122,31 @@ class FlatUnit:
     # -- parameters --------------------------------------------------------------------------
     @property
     def gathered(self) -> bool:
-        return self.full is not None
+        return self.gathered_bytes > 0
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes the full buffer's storage holds now (ZeRO-3: 0 while freed)."""
+        return self.full.untyped_storage().nbytes()
 
     def bind_params(self) -> None:
         for i, p in enumerate(self.params):
             p.data = self._view(self.full, i)
 
     def free_params(self) -> None:
-        """ZeRO-3: drop the gathered buffer; parameters become empty until the next gather."""
-        self.full = None
+        """ZeRO-3: release the gathered buffer's memory. The storage shrinks to 0 bytes, so
+        the views autograd saved of it pin nothing; the parameters become empty tensors until
+        the next gather (a stray use fails plainly instead of reading a released buffer)."""
+        self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = _empty(self.dtype, self.device)
 
     def gather_async(self, group) -> dist.Work | Works | None:
-        """ZeRO-3: allocate `full` and start all-gathering the shards into it."""
-        self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        """ZeRO-3: give `full`'s storage its memory back and start all-gathering the shards
+        into it; views saved from it earlier (autograd's) read the gathered values again."""
+        storage = self.full.untyped_storage()
+        storage.resize_(self.layout.padded_numel * self.full.element_size())
+        self.full.set_(storage, 0, (self.layout.padded_numel,), (1,))  # a deferred unit's first
         if group_size(group) == 1:
             self.full.copy_(self.shard)
             return None

@@ -112,7 +112,6 @@ class PipelineRuntime:
         self.loss_multiplier = loss_multiplier
         self.loss_fn = loss_fn  # the last stage's: logits, targets → mean loss
         self._param = next(local.parameters())
-        self.device = self._param.device
         self._handlers = {K.F: self._forward, K.B: self._backward, K.BW: self._backward,
                           K.W: self._weight_grad, K.SEND_F: self._send, K.SEND_B: self._send,
                           K.RECV_F: self._recv, K.RECV_B: self._recv}
@@ -129,6 +128,12 @@ class PipelineRuntime:
             weakref.finalize(self, self._courier.close)
         self._train_program = self._compile(comm_groups(self.actions) if batched
                                             else self.actions)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stages' parameters live: read when needed, since the engine gives them
+        their memory after this runtime is built (on meta until then)."""
+        return self._param.device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -13,10 +13,12 @@ hold, term by term:
   activations  what the blocks save for backward on the busier of the first and the last
                pipeline stage (`plan.activations`, mixture-of-experts blocks included at the
                stated capacity bound), in flight as the schedule keeps them
-               (`plan.bubble.in_flight_by_rank`), under the recompute policy; under ZeRO-3
-               each block's gathered weights stay saved until its backward
-  buffers      FP8 weight copies. The engine reduces gradients in its units' own buffers (no
-               separate bucket), and ZeRO-3's gathered blocks are the activations' term above
+               (`plan.bubble.in_flight_by_rank`), under the recompute policy
+  buffers      FP8 weight copies, and ZeRO-3's gathered units at their most: the unit outside
+               the blocks and two blocks, or every block without resharding after forward
+               (`plan.memory.states.zero3_gathered_bytes`; the weights autograd saves are
+               views of those buffers, freed with them). The engine reduces gradients in its
+               units' own buffers (no separate bucket)
   host         offloaded optimizer state; `staging` an asynchronous save's host copy
 For other shapes (`GPTShape`: the models of Megatron's papers, which hpctrain does not build)
 the published formulas of `plan.memory` stand in, as those papers count them.
@@ -29,7 +31,6 @@ from functools import partial
 
 from hpctrain.models.config import ModelConfig
 from hpctrain.plan.bubble import in_flight_by_rank, weighted_peaks
-from hpctrain.plan.experts import rank_expert_params
 from hpctrain.plan.layout import Layout
 from hpctrain.plan.memory.activations import rank_activation_bytes
 from hpctrain.plan.memory.formulas import (
@@ -37,10 +38,13 @@ from hpctrain.plan.memory.formulas import (
     checkpoint_staging_bytes,
     fp8_buffer_bytes,
     memory_breakdown,
-    state_bytes_per_param,
 )
-from hpctrain.plan.memory.states import flat_state_bytes, rank_expert_groups, rank_param_groups
-from hpctrain.plan.shapes import rank_params
+from hpctrain.plan.memory.states import (
+    flat_state_bytes,
+    rank_expert_groups,
+    rank_param_groups,
+    zero3_gathered_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class StepShape:
     checkpoint_async: bool = True
     packed: bool = True  # rows of packed documents (data.packing): RoPE per token
     grad_comm_dtype: str = "fp32"  # gradients on the wire (parallel.grad_comm_dtype)
+    zero3_reshard: bool = True  # train.zero3_reshard_after_forward
 
 
 def rank_memory(model, layout: Layout, step: StepShape, *,
@@ -76,6 +81,7 @@ def rank_memory(model, layout: Layout, step: StepShape, *,
     acts = max(rank_activations(model, layout, step, in_flight=in_flight))
     buffers = fp8_buffer_bytes(model, layout, in_flight=max(sets),
                                recompute=step.recompute) if step.fp8 else 0.0
+    buffers += gathered_bytes(model, layout, step)
     return MemoryBreakdown(
         params=states.params, grads=states.grads, optimizer=states.optimizer,
         activations=acts, buffers=buffers, host=states.host,
@@ -92,6 +98,16 @@ def engine_states(model: ModelConfig, layout: Layout, step: StepShape, *,
                             virtual_stages=layout.virtual_stages, schedule=layout.schedule,
                             pp_rank=pp_rank, ep=layout.ep,
                             expert_dp=layout.dims.expert_shard_size)
+
+
+def gathered_bytes(model: ModelConfig, layout: Layout, step: StepShape) -> float:
+    """ZeRO-3's gathered units at their most on a rank (0 at other stages; module docstring)."""
+    if layout.zero != 3:
+        return 0.0
+    return zero3_gathered_bytes(model, dp=layout.dims.shard_size, precision=step.precision,
+                                tp=layout.tp, ep=layout.ep,
+                                expert_dp=layout.dims.expert_shard_size,
+                                reshard_after_forward=step.zero3_reshard)
 
 
 def rank_checkpoint_bytes(model: ModelConfig, layout: Layout, *, pp_rank: int) -> float:
@@ -133,9 +149,4 @@ def rank_activations(model: ModelConfig, layout: Layout, step: StepShape, *,
         in_flight=in_flight, recompute=step.recompute, precision=step.precision, ep=layout.ep,
         chunks=layout.virtual_stages, packed=step.packed or layout.cp > 1,
         head_rank=0 if layout.schedule == "zbv" else layout.pp - 1, stage_peaks=peaks)
-    if layout.zero == 3 and layout.dims.shard_size > 1:  # gathered weights, saved until B
-        held = rank_params(model, tp=layout.tp, pp=layout.pp) + rank_expert_params(
-            model, ep=layout.ep, pp=layout.pp)  # a rank's experts too, even unsharded
-        gathered = held * state_bytes_per_param(step.precision)[0]
-        acts = [value + gathered for value in acts]
     return acts

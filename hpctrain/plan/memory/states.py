@@ -35,6 +35,7 @@ experts (hpctrain.parallel.data.engine).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -196,6 +197,29 @@ def flat_state_bytes(model: ModelConfig, *, dp: int, zero: int, precision: str,
 
     ranks = [states(r) for r in ([pp_rank] if pp_rank is not None else sorted({0, pp - 1}))]
     return max(ranks, key=lambda s: s.total + s.host)
+
+
+def zero3_gathered_bytes(model: ModelConfig, *, dp: int, precision: str, tp: int = 1,
+                         ep: int = 1, expert_dp: int | None = None,
+                         reshard_after_forward: bool = True) -> float:
+    """ZeRO-3 (pipelines refuse it: one stage): the most gathered parameter bytes a rank holds
+    at once beyond its shards (hpctrain.parallel.data.zero3): the unit outside the blocks and
+    two consecutive blocks (the one running and the one prefetched), each with its routed
+    experts' unit under ep; every block when they stay gathered until their backward
+    (train.zero3_reshard_after_forward=false). Units padded as the engine pads them."""
+    p = 4 if precision == "fp32" else 2
+    embed, blocks, tail = param_groups(model, tp=tp, ep=ep)
+
+    def padded(numels: list[int], n: int) -> int:
+        return ShardLayout(tuple(numels), n_shards=n).padded_numel if numels else 0
+
+    sizes = [padded(b, dp) + padded(e, expert_dp or dp // ep)
+             for b, e in zip(blocks, expert_groups(model, ep=ep), strict=True)]
+    if reshard_after_forward:
+        held = max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
+    else:
+        held = sum(sizes)
+    return float(p * (padded(embed + tail, dp) + held))
 
 
 def _rank_states(model, *, dp, zero, precision, bucket_mb, offload, held) -> ModelStates:

@@ -12,9 +12,13 @@ runs. No byte is allocated: every figure is the storage the real run's tensors w
 
 Measured as the trainer measures (the engine's ledger, `train.ckpt_shards.owned_bytes`):
   params, grads, optim   the engine's units between steps (optim on the host under offload)
+  gathered               ZeRO-3's gathered units at their most over the step (the engine's
+                         ledger: mem_gathered_peak_bytes, read from the units' storages)
   buffers                the modules' registered buffers (FP8 scales and amax histories)
   activations            the peak of saved-for-backward bytes over the step's schedule
   checkpoint             this rank's own chunks of the master weights and both moments
+  setup_host             the host transient of its set-up beyond the above: one full parameter
+                         in fp32 (`hpctrain.checkpoint.initial`; the model is built on meta)
 What meta tensors cannot show: routed experts' token counts depend on the router's choices,
 which meta tensors do not make, so a dry run routes at the planner's bound
 (`hpctrain.models.moe.router.bound_routing`: dropless, T·k/E slots an expert; with a capacity, every
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hpctrain.checkpoint.initial import largest_parameter_bytes
 from hpctrain.checkpoint.shards import owned_bytes
 from hpctrain.config.schema import Config
 from hpctrain.distributed.fake import BACKEND, fake_world
@@ -49,14 +54,17 @@ class RankBytes:
     params: int
     grads: int
     optim: int
+    gathered: int
     buffers: int
     activations: int
     checkpoint: int
     host: int = 0
+    setup_host: int = 0
 
     @property
     def device_total(self) -> int:
-        return self.params + self.grads + self.optim + self.buffers + self.activations
+        return (self.params + self.grads + self.optim + self.gathered + self.buffers
+                + self.activations)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -92,9 +100,11 @@ def measure_rank(cfg: Config, rank: int) -> tuple[RankBytes, dict[str, float],
         ledger = engine.ledger()
         measured = RankBytes(
             params=ledger["mem_params_bytes"], grads=ledger["mem_grads_bytes"],
-            optim=ledger["mem_optim_bytes"], buffers=ledger["mem_buffers_bytes"],
+            optim=ledger["mem_optim_bytes"],
+            gathered=ledger.get("mem_gathered_peak_bytes", 0),
+            buffers=ledger["mem_buffers_bytes"],
             activations=acts, checkpoint=owned_bytes(state),
-            host=ledger["mem_optim_host_bytes"])
+            host=ledger["mem_optim_host_bytes"], setup_host=largest_parameter_bytes(state))
         t3 = time.perf_counter()
     return measured, {"mesh_s": t1 - t0, "setup_s": t2 - t1, "step_s": t3 - t2}, tally.groups
 
@@ -105,7 +115,7 @@ def _step_activations(cfg: Config, state, pipeline, mesh) -> int:
     gradient norm and the overflow check, need values: they do not run on meta)."""
     engine, n = state.engine, cfg.grad_accum
     micro = list(shard_batches(meta_micro_batches(cfg), group=mesh.group("cp")))
-    meter = ActivationMeter(state.model.parameters())
+    meter = ActivationMeter(engine.parameter_tensors())
     with meter:
         if pipeline is None:
             engine.accumulate(micro, divisors=[1.0] * n, n_micro=n,

@@ -33,12 +33,17 @@ from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.comm_volume import Volume, step_volumes
 from hpctrain.plan.inputs import layout_of
 from hpctrain.plan.memory.formulas import FUSED_ATTENTION, fp8_buffer_bytes
-from hpctrain.plan.memory.model import engine_states, rank_activations, rank_checkpoint_bytes
+from hpctrain.plan.memory.model import (
+    engine_states,
+    gathered_bytes,
+    rank_activations,
+    rank_checkpoint_bytes,
+)
 from hpctrain.plan.predict import step_shape
 from hpctrain.plan.search import GIB
 from hpctrain.tasks.dryrun.comm import comm_rows
 
-TERMS = ("params", "grads", "optim", "buffers", "activations", "checkpoint")
+TERMS = ("params", "grads", "optim", "gathered", "buffers", "activations", "checkpoint")
 
 
 def predicted_rank(cfg: Config, rank: int) -> dict[str, float]:
@@ -58,7 +63,8 @@ def predicted_rank(cfg: Config, rank: int) -> dict[str, float]:
         acts += fp8_buffer_bytes(cfg.model, layout, in_flight=in_flight[pp_rank],
                                  recompute=step.recompute)
     return {"params": states.params, "grads": states.grads, "optim": states.optimizer,
-            "buffers": 0.0, "activations": acts,
+            "gathered": gathered_bytes(cfg.model, layout, step), "buffers": 0.0,
+            "activations": acts,
             "checkpoint": rank_checkpoint_bytes(cfg.model, layout, pp_rank=pp_rank)
             if first_replica else 0.0,
             "host": states.host}
@@ -168,6 +174,8 @@ def dryrun_table(report: dict[str, Any]) -> str:
             lines.append(f"| {term} | {size_text(m)} | {size_text(p)} | {_ratio(m, p, tol)} |")
         verdict = "fits" if row["fits"] else "DOES NOT FIT"
         lines.append(f"| device total | {size_text(row['total_bytes'])} | | {verdict} |")
+        lines.append(f"| set-up host transient | {size_text(row['setup_host_bytes'])} | | "
+                     "one full parameter in fp32 |")
         lines += ["", "| group | collectives | predicted | sent | predicted | sent / predicted |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name, c in row["comm"].items():
