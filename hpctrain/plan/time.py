@@ -208,8 +208,9 @@ def replicate_s(model: Shape, cluster, layout, *, precision: str,
                 ov: Stack = stack.NONE) -> float:
     """HSDP: seconds of the all-reduce of each rank's reduced gradients over the dp_replicate
     ranks holding the same shards (dp_shard·cp·tp apart, across nodes): its grad shard under
-    ZeRO-1/2/3, the whole buffers under ZeRO-0; dense and expert units. Issued after backward
-    (hpctrain.parallel.data.ddp): never overlapped."""
+    ZeRO-1/2/3, the whole buffers under ZeRO-0; dense and expert units. Charged in full: the
+    code issues each unit's as soon as its reduction is done, overlapped with the rest of
+    backward (hpctrain.parallel.data.ddp), which this model does not credit yet."""
     r, dims = layout.dp_replicate, layout.dims
     if r == 1:
         return 0.0

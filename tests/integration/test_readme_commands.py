@@ -6,8 +6,8 @@ What changes between the README and the run:
 - placeholders become files built here, never downloaded (`PLACES`): a text corpus, a JSON Lines
   corpus, a word-level tokenizer, a tiny random Llama with that tokenizer, prompts, a local
   lm-eval task; `cluster=my_site` (the user's own preset) becomes `example_site`;
-- runs are short (`_short`): a few steps, no W&B, sequences of at most 64 tokens, benchmarks
-  of a few timed calls on small messages and matrices;
+- runs are short (`_short`): a few steps, no W&B, no training.png, sequences of at most 64
+  tokens, benchmarks of a few timed calls on small messages and matrices;
 - a command whose comment says `[needs ...]` (Slurm, a GPU, the network) is skipped with that
   reason: the local Slurm cluster's own tests (tests/slurm) run those paths; the README's two
   set-up commands are what `.ci/run` runs.
@@ -136,8 +136,9 @@ def _short(argv: list[str]) -> list[str]:
     if task not in ("train", "prepare"):
         return argv
     forced = {"logger.wandb": "disabled"}
-    if task == "train":
-        forced.update({"train.steps": str(SHORT_STEPS), "optim.warmup_steps": "1"})
+    if task == "train":  # the picture (~1.3 s of matplotlib a run) is tested on its own
+        forced.update({"train.steps": str(SHORT_STEPS), "optim.warmup_steps": "1",
+                       "logger.plot": "false"})
         if "train.stop_after" in keys:
             forced["train.stop_after"] = str(STOP_AT)
     if "train.seq_len" not in keys or int(argv[keys["train.seq_len"]].split("=")[1]) > 64:

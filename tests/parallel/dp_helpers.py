@@ -137,6 +137,20 @@ def overlap_times():
     return [t for _, t in engine.reducer.issue_times], t_end, len(engine.units)
 
 
+def replica_overlap_times(zero: int):
+    """HSDP 2 × 2: (issue times of the units' replica all-reduces, time backward returned,
+    units) of one micro-batch whose reduction runs inside backward."""
+    from hpctrain.parallel.step import lm_loss
+
+    model, engine = make_engine(zero=zero, replicate=2, bucket_mb=0.02, dtype=torch.float64)
+    x, y = rank_micro_batches(0, dp=dist.get_world_size(), rank=dist.get_rank(), accum=1,
+                              vocab=512)[0]
+    lm_loss(model(x), y).backward()
+    t_end = time.perf_counter()
+    engine.reducer.finish()
+    return [t for _, t in engine.reducer.replica_times], t_end, len(engine.units)
+
+
 def ledger_and_padding(zero: int):
     """After one bf16 step: (ledger, Ψ, padding elements of this rank's layout)."""
     dp, rank = dist.get_world_size(), dist.get_rank()

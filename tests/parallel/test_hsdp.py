@@ -32,6 +32,16 @@ def test_hsdp_shards_inside_a_replica_and_replicas_agree(world4, zero):
         assert psi / 2 <= owned <= psi / 2 + 64 * 4  # half the model (+ padding per unit)
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_replica_all_reduces_start_inside_backward(world4, zero):
+    """Each unit's all-reduce over the replicas is issued once its own reduction is done,
+    while backward goes on (issue 44), every unit's once; the values stay exact (the fp64
+    comparison above)."""
+    for times, t_end, n_units in world4.run(h.replica_overlap_times, zero):
+        assert n_units >= 3 and len(times) == n_units
+        assert any(t < t_end for t in times), (times, t_end)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return get_world(1).run(train_in_world, [], str(tmp_path_factory.mktemp("ref")))[0]

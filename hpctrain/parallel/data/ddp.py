@@ -18,7 +18,11 @@ last of an accumulation window) only accumulates locally; `finish()` issues what
 Hybrid sharding: `group` is the shard group and `replicas` the same shards' ranks in the other
 replicas; each unit's reduced result (its full buffer at zero 0, else its grad shard) is then
 all-reduced over `replicas` in fp32 (fp64 for fp64) before the division by dp = shard size ×
-replicas.
+replicas. That all-reduce overlaps the rest of backward: when a unit is issued, the units
+issued before it are waited for (their reductions have had a block's backward to finish),
+landed and their replica all-reduces issued, in issue order, the same on every replica. (It
+waits rather than asks: gloo's reduce-scatter reports itself complete only once waited on.)
+`finish` lands the last ones and waits for every replica all-reduce.
 
 Wire dtype: with grad_comm_dtype=fp32 the sum is exact in fp32 (fp64 for fp64 grads). With
 bf16/fp16 on the wire, gradients are sent in 16 bits but summed in fp32: each rank all-gathers
@@ -61,6 +65,8 @@ class _Pending:
     unit: FlatUnit
     work: dist.Work | None
     buf: torch.Tensor
+    target: torch.Tensor | None = None  # set once landed: the reduced values, before division
+    replica_work: dist.Work | None = None  # HSDP: its all-reduce over the replicas
 
 
 @dataclass
@@ -72,6 +78,7 @@ class GradReducer:
     on_unit_done: Callable[[FlatUnit], None] | None = None  # ZeRO-3 frees params here
     replicas: dist.ProcessGroup | None = None  # HSDP: all-reduce each result over these
     issue_times: list[tuple[int, float]] = field(default_factory=list)  # this step's only
+    replica_times: list[tuple[int, float]] = field(default_factory=list)  # HSDP, this step's
     _sync: bool = True
     _ready: dict[int, int] = field(default_factory=dict)
     _issued: set[int] = field(default_factory=set)
@@ -125,6 +132,8 @@ class GradReducer:
     def _issue(self, unit: FlatUnit) -> None:
         if not self._issued:  # the first bucket of a step: forget the previous step's times
             self.issue_times.clear()
+            self.replica_times.clear()
+        self._land_issued()
         self._issued.add(unit.index)
         self.issue_times.append((unit.index, time.perf_counter()))
         acc = self._acc_dtype(unit)
@@ -158,18 +167,40 @@ class GradReducer:
                 unit.fill_missing_grads()
                 self._issue(unit)
         for pending in self._pending:
-            if pending.work is not None:
-                pending.work.wait()
-            self._land(pending)
+            if pending.target is None:
+                if pending.work is not None:
+                    pending.work.wait()
+                self._land(pending)
+        for pending in self._pending:
+            if pending.replica_work is not None:
+                pending.replica_work.wait()
+            self._divide(pending)
         self._pending.clear()
         self._issued.clear()
 
+    def _land_issued(self) -> None:
+        """HSDP: land the units issued so far, in issue order, which issues their replica
+        all-reduces (module docstring)."""
+        if group_size(self.replicas) == 1:
+            return
+        for pending in self._pending:
+            if pending.target is None:
+                if pending.work is not None:
+                    pending.work.wait()
+                self._land(pending)
+
+    def _divide(self, pending: _Pending) -> None:
+        unit = pending.unit
+        divisor = unit.grad_divisor or self._group_of(unit)[1] * group_size(self.replicas)
+        if divisor != 1:  # x / 1 is x: skip a pass over the bucket (dp=1, e.g. pp only)
+            pending.target.div_(divisor)
+
     def _land(self, pending: _Pending) -> None:
+        """The unit's reduced values into its gradient buffer; under HSDP its all-reduce over
+        the replicas is issued (asynchronously)."""
         unit, buf = pending.unit, pending.buf
         acc = self._acc_dtype(unit)
         dp = self._group_of(unit)[1]
-        replicas = group_size(self.replicas)
-        divisor = unit.grad_divisor or dp * replicas
         sharded = unit.layout.n_shards > 1  # zero ≥ 1: only this rank's shard is reduced
         lo, hi = unit.layout.shard_range(unit.shard_rank)
         if dp > 1 and buf.dtype != acc:
@@ -180,10 +211,10 @@ class GradReducer:
         target = unit.grad_full if unit.grad_full is not None and not sharded else unit.grad_shard
         if buf.data_ptr() != target.data_ptr():
             target.copy_(buf)
-        if replicas > 1:  # the other replicas' sums of the same elements
-            dist.all_reduce(target, group=self.replicas)
-        if divisor != 1:  # x / 1 is x: skip a pass over the bucket (dp=1, e.g. pp only)
-            target.div_(divisor)
+        pending.target = target
+        if group_size(self.replicas) > 1:  # the other replicas' sums of the same elements
+            self.replica_times.append((unit.index, time.perf_counter()))
+            pending.replica_work = dist.all_reduce(target, group=self.replicas, async_op=True)
 
     def _group_of(self, unit: FlatUnit) -> tuple:
         """(group, its size) a unit is reduced over (the ZeRO group, or its experts')."""
