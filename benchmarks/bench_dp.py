@@ -18,16 +18,21 @@ counted for each engine is listed in `benchmarks/results/dp_zero.md`).
 With `--alone` each engine instead runs by itself in a fresh world of rank processes, one
 after the other (A B A B … for `--repeats`), so each rank's peak resident memory (VmHWM of
 /proc/self/status, over the whole process: imports, build, every step) is that engine's
-alone; reported per engine: median step time and the largest VmHWM of a rank.
+alone; reported per engine: median step time and the largest VmHWM of a rank. With `--meta`
+both engines build their model on the meta device and fill only each rank's own elements
+(hpctrain's trainer does so; for FSDP2 torchtitan's way: `fully_shard` on meta, `to_empty`,
+each shard copied from the full initial value), so the set-up does not hold the whole model.
 
     python benchmarks/bench_dp.py --steps 8
     python benchmarks/bench_dp.py --steps 8 --pairs hsdp
-    python benchmarks/bench_dp.py --alone --pairs zero3 --steps 4 --dim 1024 --layers 24
+    python benchmarks/bench_dp.py --alone --meta --pairs zero3 --steps 3 --warmup 1 \
+        --dim 1024 --layers 24 --heads 16 --kv-heads 8 --ffn 2816   # model=medium's shape
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -44,15 +49,18 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hpctrain.checkpoint.initial import init_from_seed  # noqa: E402
 from hpctrain.config.schema import OptimConfig  # noqa: E402
 from hpctrain.distributed.dims import ParallelDims  # noqa: E402
 from hpctrain.distributed.mesh import build_mesh  # noqa: E402
 from hpctrain.distributed.teardown import close_process_groups  # noqa: E402
 from hpctrain.models import ModelConfig, build_model  # noqa: E402
+from hpctrain.models.init import full_init  # noqa: E402
 from hpctrain.parallel.data.engine import DataParallel  # noqa: E402
 from hpctrain.parallel.data.zero import NormSpec  # noqa: E402
 from hpctrain.parallel.memory import storage_bytes  # noqa: E402
 from hpctrain.parallel.scaler import LossScaler  # noqa: E402
+from hpctrain.parallel.state import parallel_state, placements  # noqa: E402
 from hpctrain.parallel.step import lm_loss  # noqa: E402
 from hpctrain.train.optim import param_groups  # noqa: E402
 
@@ -91,14 +99,22 @@ class Engine:
 
 
 def hpctrain_engine(zero: int, args, *, replicas: int = 1) -> Engine:
-    model = build_model(model_config(args), seed=0)
+    """--meta: built as the trainer builds a rank (hpctrain.train.setup): on the meta device,
+    the engine's units the first memory, the rank's own elements computed from the seed."""
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        model = build_model(model_config(args), seed=0)
+    dims = ParallelDims(dp=dist.get_world_size(), dp_replicate=replicas)
+    mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
     groups = {"group": dist.group.WORLD, "batch_group": dist.group.WORLD}
     if replicas > 1:  # HSDP through the run's own mesh (hpctrain.distributed.mesh)
-        dims = ParallelDims(dp=dist.get_world_size(), dp_replicate=replicas)
-        mesh = build_mesh(dims, rank=dist.get_rank(), device=torch.device("cpu"))
         groups = {"group": mesh.shard, "replicas": mesh.replicate, "batch_group": mesh.dp_cp}
     engine = DataParallel(model, zero=zero, precision="fp32", optim=OPTIM,
-                          bucket_mb=args.bucket_mb, norm=NormSpec(), **groups)
+                          bucket_mb=args.bucket_mb, norm=NormSpec(), device=torch.device("cpu"),
+                          **groups)
+    if args.meta:
+        placed = placements(model, tp_plan=None, stages=None, tied=None)
+        init_from_seed(parallel_state(model, placed, mesh=mesh, engine=engine),
+                       model_config(args), seed=0)
     scaler = LossScaler(enabled=False)
     out = Engine(f"hpctrain zero={zero}" + (f" dp_replicate={replicas}" if replicas > 1 else ""),
                  None)
@@ -174,9 +190,10 @@ def fsdp2_engine(args, *, replicas: int = 1) -> Engine:
     rank order too)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model = build_model(model_config(args), seed=0)
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        model = build_model(model_config(args), seed=0)
     world = dist.get_world_size()
     mesh = (init_device_mesh("cpu", (world,)) if replicas == 1 else
             init_device_mesh("cpu", (replicas, world // replicas),
@@ -184,6 +201,13 @@ def fsdp2_engine(args, *, replicas: int = 1) -> Engine:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if args.meta:  # torchtitan's way: shard on meta, allocate the shards, fill them
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = full_init(name, p.shape, model_config(args), seed=0)
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements,
+                                                     src_data_rank=None).to_local())
     named = list(model.named_parameters())
     opt = adamw(named)
     out = Engine("torch FSDP2" + (f" HSDP {replicas}×{world // replicas}" if replicas > 1
@@ -384,6 +408,9 @@ def parse_args(argv=None):
     p.add_argument("--alone", action="store_true",
                    help="each engine alone in fresh rank processes: peak RSS (VmHWM) per rank")
     p.add_argument("--repeats", type=int, default=2, help="--alone: worlds per engine")
+    p.add_argument("--meta", action="store_true",
+                   help="build both engines' models on the meta device and fill only each "
+                        "rank's own elements (hpctrain's trainer; torchtitan's FSDP2 set-up)")
     args = p.parse_args(argv)
     args.alone_run = None
     unknown = set(args.pairs) - set(PAIRS)
