@@ -2,7 +2,7 @@
 
 A rank's model is built on the meta device and sharded (tp, pp, ep, ZeRO) before anything is
 materialised (hpctrain.train.setup); the data-parallel engine then gives the rank's flat units
-their memory. This fills them as a checkpoint load does (`ckpt_shards.unit_chunks`: this rank's
+their memory. This fills them as a checkpoint load does (`checkpoint.shards.unit_chunks`: its
 boxes of every full tensor, as views of its fp32 master shards), the source being the
 single-process initialisation (`hpctrain.models.init.full_init`, a pure function of the seed and
 the parameter's name): each parameter's full value is computed once, its boxes copied out, and

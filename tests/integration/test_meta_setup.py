@@ -18,6 +18,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 SCRIPT = r"""
@@ -46,7 +48,11 @@ cfg = config("medium")
 with fake_world(0, 8):
     mesh = build_mesh(cfg.parallel.dims, rank=0, device=torch.device("cpu"), io_backend=BACKEND)
     build_parallel_state(config("debug"), mesh)  # the modules set-up imports: ~145 MB of code
-    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    except OSError as e:  # not Linux >= 4.0, or a sandbox that forbids it
+        print(json.dumps({"skip": f"/proc/self/clear_refs: {e}"}))
+        sys.exit(0)
     before = status("VmRSS")
     state, _ = build_parallel_state(cfg, mesh)
     peak = status("VmHWM")
@@ -66,6 +72,8 @@ def test_set_up_peaks_at_the_rank_state_and_one_full_parameter(tmp_path):
                                "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(f"cannot reset the peak resident memory here: {got['skip']}")
     # allocator and interpreter slack: 32 MiB against a whole model of 1,330 MiB
     bound = got["state"] + got["largest"] + 32 * MIB
     message = {k: f"{v / MIB:.1f} MiB" for k, v in got.items()}

@@ -34,6 +34,15 @@ def test_zero3_peak_params_bounded_by_blocks_in_flight(world2):
         assert shard < peak <= bound
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_one_packed_gradient_buffer_in_flight(world2, zero):
+    """ZeRO-2/3 pack each unit's gradients for its reduce-scatter; each unit issued lands the
+    ones before it, so when backward returns one reduction (one packed buffer) is in flight,
+    not every unit's (issue 44: 2 GB of them at the end of backward on model=medium)."""
+    for held, n_units in world2.run(h.works_held_after_backward, zero):
+        assert n_units >= 3 and held == 1, (held, n_units)
+
+
 def test_bucket_collectives_overlap_backward(world2):
     for issues, t_end, n_units in world2.run(h.overlap_times):
         assert n_units >= 3

@@ -173,11 +173,7 @@ class GradReducer:
                 unit.adopt_grads()
                 unit.fill_missing_grads()
                 self._issue(unit)
-        for pending in self._pending:
-            if pending.target is None:
-                if pending.work is not None:
-                    pending.work.wait()
-                self._land(pending)
+        self._land_issued()
         for pending in self._pending:
             if pending.replica_work is not None:
                 pending.replica_work.wait()
@@ -187,7 +183,8 @@ class GradReducer:
 
     def _land_issued(self) -> None:
         """Land the units issued so far, in issue order (module docstring): at ZeRO 2/3 that
-        frees their packed gradients, under HSDP it issues their replica all-reduces."""
+        frees their packed gradients, under HSDP it issues their replica all-reduces; `finish`
+        lands the rest."""
         for pending in self._pending:
             if pending.target is None:
                 if pending.work is not None:

@@ -16,8 +16,8 @@ For zero = 0 the layout has one shard (the whole unit): every rank updates every
 
 Parameters built on the meta device (hpctrain.train.setup: a rank's model is built there and
 sharded before anything is materialised) get their memory here, on `device`: the buffers
-above and nothing else, so a ZeRO-3 rank never holds more than one unit's full buffer, and
-that only while the unit is set up. Their values are not known yet (`deferred`): the caller
+above and nothing else: at ZeRO-3 only the shards, the full buffer getting its memory at the
+unit's first gather. Their values are not known yet (`deferred`): the caller
 fills the optimizer's masters (hpctrain.checkpoint.initial) and refreshes the parameters.
 
 `group`: the ranks the unit is reduced and sharded over — the engine's (ZeRO) group, or for
