@@ -211,7 +211,10 @@ class GradReducer:
             buf = (parts[:, lo:hi] if sharded else parts).to(acc).sum(0)
         elif dp == 1 and unit.grad_full is None:
             buf = buf[lo:hi]
-        target = unit.grad_full if unit.grad_full is not None and not sharded else unit.grad_shard
+        if unit.grad_full is None:
+            target = unit.hold_grad_shard()
+        else:
+            target = unit.grad_shard if sharded else unit.grad_full
         if buf.data_ptr() != target.data_ptr():
             target.copy_(buf)
         pending.target = target

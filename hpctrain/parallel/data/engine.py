@@ -224,15 +224,15 @@ class DataParallel:
         """Bytes this rank holds now, de-duplicated by storage (what `model_state_bytes` models).
 
         Parameters: the flat buffers (full, or the shard under zero 3 plus gathered units);
-        gradients: full buckets (zero < 2) or grad shards; optimizer: master (when it is not
+        gradients: full buckets (zero < 2) or grad shards (zero ≥ 2: their size at the
+        reduction, though released between steps); optimizer: master (when it is not
         the parameter shard itself), exp_avg, exp_avg_sq. Offloaded optimizer state is
         reported as mem_optim_host_bytes.
         """
         seen: set[int] = set()
         params = [u.full for u in self.units] + [u.shard for u in self.units]
-        grads = [u.grad_full if u.grad_full is not None else u.grad_shard for u in self.units]
         out = {"mem_params_bytes": storage_bytes(params, seen),
-               "mem_grads_bytes": storage_bytes(grads, seen)}
+               "mem_grads_bytes": sum(u.grad_bytes for u in self.units)}
         optim = storage_bytes(self.optimizer.tensors(), seen)
         host = self.optimizer.offload == "cpu"
         out["mem_optim_bytes"] = 0 if host else optim

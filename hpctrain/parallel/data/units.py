@@ -10,7 +10,10 @@ before use. Buffers (Ψᵤ = the unit's elements, S = its shard size, dp·S = Ψ
               and valid again once the unit is gathered, as FSDP2 frees its blocks)
   shard       S params: a view of `full` for zero < 3, the persistent storage for zero 3
   grad_full   dp·S grads for zero < 2; p.grad are views into it (bucket-as-grad-view)
-  grad_shard  S grads: a view of `grad_full` for zero < 2, its own storage for zero ≥ 2
+  grad_shard  S grads: a view of `grad_full` for zero < 2; for zero ≥ 2 its own storage,
+              which holds memory only from the step's reduction to its update (the
+              reduction writes it whole; `zero_grad` shrinks it to 0 bytes, as FSDP2 sets its
+              sharded gradients to None): the peak of a step, early in backward, holds none
 
 For zero = 0 the layout has one shard (the whole unit): every rank updates everything.
 
@@ -94,7 +97,8 @@ class FlatUnit:
             self._grad_ptrs = [self.grad_full.data_ptr() + o * self.grad_full.element_size()
                                for o in self.layout.offsets]
         else:
-            self.grad_shard = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+            self.grad_shard = torch.empty(hi - lo, dtype=dtype, device=self.device)
+            self.grad_shard.untyped_storage().resize_(0)  # `hold_grad_shard` gives it memory
         if self.full.numel():
             self.bind_params()
         self.bind_grads()
@@ -219,15 +223,29 @@ class FlatUnit:
             p.grad = None
         return flat
 
+    def hold_grad_shard(self) -> torch.Tensor:
+        """zero ≥ 2: the grad shard with its memory (uninitialised: the reduction that
+        calls this overwrites all of it)."""
+        storage = self.grad_shard.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.layout.shard_size * self.grad_shard.element_size())
+        return self.grad_shard
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes its gradients hold at a step's reduction (zero ≥ 2: the grad shard, also
+        while released between steps)."""
+        if self.grad_full is not None:
+            return self.grad_full.untyped_storage().nbytes()
+        return self.layout.shard_size * self.grad_shard.element_size()
+
     def zero_grad(self) -> None:
         """zero < 2 is lazy: p.grad is dropped and the next gradient is copied over its bucket
         slice (adopt_grad) instead of added to zeros, as DDP does; `fill_missing_grads` zeroes
         the slices no gradient reached. That saves a fill and a read of every bucket per step.
+        zero ≥ 2 releases the grad shard's memory until the next reduction (module docstring).
         """
-        if self.grad_full is not None:
-            for p in self.params:
-                p.grad = None
-        else:
-            self.grad_shard.zero_()
-            for p in self.params:
-                p.grad = None
+        if self.grad_full is None:
+            self.grad_shard.untyped_storage().resize_(0)
+        for p in self.params:
+            p.grad = None
