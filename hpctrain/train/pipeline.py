@@ -39,6 +39,7 @@ from hpctrain.config.schema import Config
 from hpctrain.distributed.mesh import Mesh, group_size
 from hpctrain.parallel.data.engine import DataParallel
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
+from hpctrain.parallel.pipeline.hop import stage_hop
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.stage import LocalStages
@@ -79,7 +80,7 @@ class PipelineEngine:
                                        act_shape=self.act_shape, precision=t.precision,
                                        loss_fn=step_loss(tp_plan),
                                        batched=dist.get_backend() == "nccl",
-                                       timeout=mesh.timeout)
+                                       timeout=mesh.timeout, hop=stage_hop(mesh, sp=p.sp))
         self.last_timeline: Timeline = []
 
     @property

@@ -4,12 +4,15 @@ pp=2 × tp=2 (4 ranks, with and without sp) and dp=2 × tp=2 × pp=2 (8 ranks)."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.dims import ParallelDims
 from hpctrain.distributed.mesh import build_mesh
+from hpctrain.parallel.pipeline.hop import Hop, stage_hop
 from hpctrain.parallel.pipeline.lowering import lower_comm
 from hpctrain.parallel.pipeline.runtime import PipelineRuntime
 from hpctrain.parallel.pipeline.schedules import build_schedule
@@ -17,6 +20,7 @@ from hpctrain.parallel.pipeline.stage import build_local_stages
 from hpctrain.parallel.pipeline.tp_stages import stage_act_shape
 from hpctrain.parallel.step import allreduce_mean
 from hpctrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, sync_tp_grads
+from hpctrain.tasks.dryrun.comm import CommTally
 from hpctrain.train.tensor_parallel import step_loss
 from tests.parallel.threed_reference import (
     MB,
@@ -44,7 +48,7 @@ def _build(dims: ParallelDims, name: str, m: int, *, sp: bool, kv: int):
                               peers=dims.group_ranks("pp", mesh.rank),
                               act_shape=stage_act_shape(micro_batch=MB, seq_len=SEQ,
                                                         dim=cfg.dim, tp=dims.tp, sp=sp),
-                              loss_fn=step_loss(plan))
+                              loss_fn=step_loss(plan), hop=stage_hop(mesh, sp=sp))
     return mesh, schedule, cfg, local, plan, runtime
 
 
@@ -59,7 +63,9 @@ def run_3d_and_compare(dp: int, tp: int, pp: int, name: str, *, sp: bool = False
         _assert_queues_attached(local)
         micro = micro_batches(dp * m, cfg.vocab_size)
         dp_rank = mesh.coord("dp")
-        result = runtime.step(micro[dp_rank * m:(dp_rank + 1) * m])
+        with CommTally(mesh) as tally:
+            result = runtime.step(micro[dp_rank * m:(dp_rank + 1) * m])
+        _assert_hops(tally, runtime, m=m, tp=tp, sp=sp)
         params = list(local.parameters())
         sync_tp_grads(params, plan)
         allreduce_mean([p.grad for p in params], mesh.group("dp"))
@@ -78,6 +84,19 @@ def run_3d_and_compare(dp: int, tp: int, pp: int, name: str, *, sp: bool = False
         return errs
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def _assert_hops(tally: CommTally, runtime, *, m: int, tp: int, sp: bool) -> None:
+    """Each of the m activations or gradients crossing this rank's stage boundary leaves it as
+    a 1/tp piece (Megatron's scatter/gather; sp: the sequence shard), and without sp each one
+    received is all-gathered over tp."""
+    whole = MB * SEQ * runtime.act_shape[-1] * 8  # fp64
+    world = tally.groups["world"]
+    assert world.ops == {"send": m, "recv_": m}, world.ops
+    assert world.bytes["send"] == m * whole / tp
+    if not sp:  # the only all-gathers of a tp stage without sp: one per message received
+        tp_ops = next(v.ops for k, v in tally.groups.items() if "tp" in k.split("="))
+        assert tp_ops["_allgather_base_"] == m, tp_ops
 
 
 def _global_norm(params, *, mesh, replicas: dict[int, int]) -> float:
@@ -119,3 +138,22 @@ def test_pp2_tp2_replicated_kv_head(world4):
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_3d_dp2_tp2_pp2_matches_single_process(world8, name):
     _check(world8.run(run_3d_and_compare, 2, 2, 2, name, sp=name == "zb_h1"))
+
+
+def scatter_and_gather(shape: tuple[int, ...]) -> tuple[list[int], bool]:
+    """Every rank holds the same tensor of `shape`, sends its piece (kept here) and gathers
+    them all back: (the piece's shape, whether the gathered tensor is the original)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    hop = Hop(group, rank=dist.get_rank(), size=dist.get_world_size())
+    piece = hop.outgoing(x).clone()
+    back = hop.incoming(piece, shape)
+    return list(piece.shape), back.shape == x.shape and torch.equal(back, x)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 16), (3, 5)])
+def test_a_hop_scattered_over_tp_is_gathered_back_bit_for_bit(world2, shape):
+    """Pieces of ⌈numel/t⌉ elements, the last zero-padded when numel is odd."""
+    for piece, same in world2.run(scatter_and_gather, shape):
+        assert piece == [-(-math.prod(shape) // 2)] and same

@@ -22,7 +22,9 @@ The order, the split of the backward and the placement of sends and receives all
                 (`comm.Courier`: the calls cost ~0.1 ms each on gloo/TCP); on NCCL
                 (`batched=True`) each run of consecutive SEND/RECV actions is one
                 `batch_isend_irecv` group (hpctrain.parallel.pipeline.batching says why).
-                Received shapes are known: (micro_batch, seq_len, dim) in the params' dtype.
+                Received shapes are known: (micro_batch, seq_len, dim) in the params' dtype,
+                or under tp without sp a 1/t piece, all-gathered over tp on arrival
+                (hpctrain.parallel.pipeline.hop: Megatron's scatter/gather).
 
 A produced tensor goes to a mailbox keyed (kind, receiving stage, microbatch): a SEND takes it
 from there, or — when the neighbour stage lives on this rank (zbv) — the next F/B does.
@@ -55,6 +57,7 @@ from hpctrain.models.moe.layer import moe_layers, take_router_loss
 from hpctrain.ops.documents import split_micro_batch
 from hpctrain.parallel.pipeline.actions import Action, ActionKind, Schedule
 from hpctrain.parallel.pipeline.batching import comm_groups
+from hpctrain.parallel.pipeline.hop import WHOLE, Hop
 from hpctrain.parallel.pipeline.lowering import forward_only
 from hpctrain.parallel.pipeline.stage import LocalStages
 from hpctrain.parallel.step import autocast
@@ -96,19 +99,21 @@ class PipelineRuntime:
     """Runs `schedule.actions[pp_rank]` (lowered) on this rank's `local` stages.
 
     `peers[r]` is the global rank of pipeline rank r (this rank's pp group, in pp order);
-    `act_shape` is (micro_batch, seq_len, dim) of the hidden states passed between stages.
+    `act_shape` is (micro_batch, seq_len, dim) of the hidden states passed between stages;
+    `hop` how they travel (whole, or scattered over tp and gathered on arrival).
     """
 
     def __init__(self, schedule: Schedule, local: LocalStages, *, pp_rank: int,
                  peers: Sequence[int], act_shape: tuple[int, int, int],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  precision: str = "fp32", loss_multiplier: float = 1.0, batched: bool = False,
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, hop: Hop = WHOLE):
         self.schedule, self.local, self.pp_rank = schedule, local, pp_rank
         self.timeout = timeout  # every send/receive wait gives up after it
         self.batched = batched
         self.actions = schedule.actions[pp_rank]
         self.peers, self.act_shape, self.precision = list(peers), act_shape, precision
+        self.hop, self.wire_shape = hop, hop.wire_shape(act_shape)
         self.loss_multiplier = loss_multiplier
         self.loss_fn = loss_fn  # the last stage's: logits, targets → mean loss
         self._param = next(local.parameters())
@@ -286,7 +291,7 @@ class PipelineRuntime:
 
     def _send(self, st: _StepState, message) -> None:
         key, dst, tag = message
-        st.outbox.send(st.mail.pop(key), dst=dst, tag=tag)
+        st.outbox.send(self.hop.outgoing(st.mail.pop(key)), dst=dst, tag=tag)
 
     def _post_recvs(self, st: _StepState, recvs) -> None:
         """Post every receive of the list up front (tagged irecv: each message has its own
@@ -294,7 +299,7 @@ class PipelineRuntime:
         RECV, so the receiver's readiness handshake leaves the critical path (profiled: the
         blocking recv's post-and-wait was most of the per-hop overhead). The courier posts
         them while the first actions run (posting all at once cost 0.4–4 ms before them)."""
-        bufs = [torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+        bufs = [torch.empty(self.wire_shape, dtype=self.dtype, device=self.device)
                 for _ in recvs]
         st.posting = self._courier.submit(lambda: {
             key: (dist.irecv(buf, src=src, tag=tag), buf)
@@ -306,12 +311,12 @@ class PipelineRuntime:
             st.posted.update(self._courier.result(st.posting, what="the step's receives"))
             st.posting = None
         if key not in st.posted:  # NCCL's forward-only eval: a blocking recv in list order
-            st.mail[key] = recv(self.act_shape, dtype=self.dtype, device=self.device, src=src,
-                                tag=tag, timeout=self.timeout)
-            return
-        work, buf = st.posted.pop(key)
-        work.wait(self.timeout)
-        st.mail[key] = buf
+            buf = recv(self.wire_shape, dtype=self.dtype, device=self.device, src=src, tag=tag,
+                       timeout=self.timeout)
+        else:
+            work, buf = st.posted.pop(key)
+            work.wait(self.timeout)
+        st.mail[key] = self.hop.incoming(buf, self.act_shape)
 
     def _exchange(self, st: _StepState, group: tuple[Action, ...]) -> None:
         """One batched group of sends and receives; returns when all of them completed."""
@@ -322,15 +327,15 @@ class PipelineRuntime:
                               n_stages=self.schedule.n_stages)
             peer = self._peer(peer_stage)
             if a.kind in (K.SEND_F, K.SEND_B):
-                payload = st.mail.pop((kind, to_stage, a.microbatch)).detach().contiguous()
-                ops.append(dist.P2POp(dist.isend, payload, peer, tag=tag))
+                payload = self.hop.outgoing(st.mail.pop((kind, to_stage, a.microbatch)))
+                ops.append(dist.P2POp(dist.isend, payload.detach().contiguous(), peer, tag=tag))
             else:
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                buf = torch.empty(self.wire_shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
                 received.append(((kind, to_stage, a.microbatch), buf))
         for work in dist.batch_isend_irecv(ops):
             work.wait(self.timeout)
-        st.mail.update(received)
+        st.mail.update((key, self.hop.incoming(buf, self.act_shape)) for key, buf in received)
 
     def _peer(self, stage: int) -> int:
         return self.peers[self.schedule.stage_to_rank[stage]]

@@ -7,7 +7,9 @@ the step's loss is the vocab-parallel cross entropy.
 
 Activations passed between stages are the residual stream: (micro_batch, seq_len, dim),
 identical on every tp rank, or with sp the rank's sequence shard (micro_batch, seq_len/tp, dim).
-Each tp rank exchanges them with its counterpart in the neighbouring stage (its pp group).
+Each tp rank exchanges them with its counterpart in the neighbouring stage (its pp group): its
+sequence shard, or without sp its 1/tp piece, all-gathered on arrival
+(hpctrain.parallel.pipeline.hop).
 """
 
 from __future__ import annotations
