@@ -62,7 +62,7 @@ def assume_unstated(model: Shape, cluster: ClusterSpec, *, layout: Layout, globa
             for recompute in allowed.recomputes:
                 c = evaluate_layout(model, cluster, lay, recompute, global_batch=global_batch,
                                     micro_batch_size=mbs, seq_len=seq_len, precision=precision,
-                                    dp_overlap=0.0, ov=ov)
+                                    dp_overlap=0.0, ov=ov, issued=False)
                 fits = c.memory.total + _fp32_grads(model, lay, precision, ov) \
                     <= cluster.device.memory_bytes
                 found.append(Assumed(replace(c, fits=fits), mbs, ov))

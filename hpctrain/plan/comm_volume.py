@@ -20,9 +20,10 @@ an all-to-all N less the part kept, a send N, a receive 0 (one op each).
        2·b·(K/t)·(s/cp)·d·e bytes, sends to the next cp rank (ring), or the all-gather
        transport's collectives of cp such shards
   pp   per microbatch and stage this rank holds: the activation sent to the next stage and the
-       gradient to the previous one where that stage lives on another rank, T·h·e bytes (/t
-       under sp, whose activations are sequence shards; without sp every tp rank sends the
-       whole activation: Megatron's scatter/gather split is not implemented); as many receives.
+       gradient to the previous one where that stage lives on another rank, ⌈T·h/t⌉·e bytes
+       (under sp the rank's sequence shard; without sp its piece of the activation every tp
+       rank holds, all-gathered over tp on arrival: one tp all-gather of t·⌈T·h/t⌉·e bytes
+       per receive, `hpctrain.parallel.pipeline.hop`); as many receives.
        The pipeline's messages go between global ranks over the default ("world") group
   dp   per flat unit (`plan.flat_states.unit_numels`, padded to the shard group, P elements):
        gradients on the wire in fp32 (parallel.grad_comm_dtype=fp32): an all-reduce at ZeRO
@@ -40,12 +41,13 @@ an all-to-all N less the part kept, a send N, a receive 0 (one op each).
 Not counted: the step's scalar agreements (loss mean, token counts, gradient norm, overflow),
 a few bytes each.
 
-`plan.time`'s seconds keep the communication of the papers its constants were fitted to
-(Megatron-LM's tables), which departs from these counts where hpctrain's code does: a pipeline
-hop of b·s·h/t (Megatron's scatter/gather) where hpctrain sends b·s·h without sp; ZeRO-3's
-second all-gather once a step where hpctrain gathers every microbatch; full recomputation's
-2 extra tp all-reduces a block where torch's early-stopping recomputation issues 1; 16-bit
-gradient wires at half the fp32 bytes where hpctrain all-gathers them.
+`plan.time` prices these counts for hpctrain's models (its `issued` step: dp by
+`dp_traffic`'s roles, the hop's tp all-gather, the tp calls of torch's recomputation). For the
+published tables it keeps the communication of the stacks its constants were fitted to
+(Megatron-LM's), which departs from these counts where hpctrain's code does: ZeRO-3's second
+all-gather once a step where hpctrain gathers every microbatch; full recomputation's 2 extra
+tp all-reduces a block where torch's early-stopping recomputation issues 1; 16-bit gradient
+wires at half the fp32 bytes where hpctrain all-gathers them.
 """
 
 from __future__ import annotations
@@ -102,13 +104,16 @@ def step_volumes(model: ModelConfig, layout: Layout, step, *, pp_rank: int = 0
     e = 4 if step.precision == "fp32" else 2
     tokens = step.micro_batch_size * step.seq_len // layout.cp
     router = _router_losses(model, layout, step, layers=layers)
+    hop = -(-tokens * model.dim // layout.tp) * e  # one message: this tp rank's piece
+    hops = _pp(layout, step, chunks=chunks, pp_rank=pp_rank, row=hop)
+    gathers = (gather(layout.tp * hop, layout.tp).times(hops.ops // 2) if not layout.sp
+               else Volume())  # each receive's pieces (module docstring)
     out = {"tp": _tp(model, layout, step, layers=layers, first=0 in chunks,
                      last=n_stages - 1 in chunks, tokens=tokens, e=e)
-           + (router if layout.cp == 1 else Volume()),
+           + (router if layout.cp == 1 else Volume()) + gathers,
            "cp": _cp(model, layout, step, n_layers=len(layers), e=e)
            + (router if layout.cp > 1 else Volume()),
-           "world": _pp(layout, step, chunks=chunks, pp_rank=pp_rank,
-                     row=tokens * model.dim * e / (layout.tp if layout.sp else 1)),
+           "world": hops,
            **_dp(model, layout, step, pp_rank=pp_rank),
            "ep": _ep(model, layout, step, layers=layers, tokens=tokens, e=e)}
     return {k: v for k, v in out.items() if v.ops}
@@ -190,18 +195,44 @@ def _pp(layout, step, *, chunks, pp_rank, row) -> Volume:
     return Volume(2 * sends, sends * row).times(step.microbatches)
 
 
-def _dp(model, layout, step, *, pp_rank) -> dict[str, Volume]:
+@dataclass(frozen=True)
+class DpTraffic:
+    """One pipeline rank's data-parallel collectives in a step, by role: its gradients'
+    reductions and its parameters' all-gathers, over the shard group (dense units) and the
+    expert group (routed experts' units), and HSDP's all-reduces over the replicas."""
+
+    reduce: Volume = Volume()
+    gathers: Volume = Volume()
+    expert_reduce: Volume = Volume()
+    expert_gathers: Volume = Volume()
+    replicate: Volume = Volume()
+
+
+def dp_traffic(model: ModelConfig, layout: Layout, step, *, pp_rank: int = 0) -> DpTraffic:
+    """The dp part of `step_volumes` split by role (module docstring, dp and edp)."""
     where = dict(pp=layout.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule,
                  pp_rank=pp_rank)
     p = 4 if step.precision == "fp32" else 2
+    kw = dict(zero=layout.zero, p=p, step=step)
     dense = rank_param_groups(model, tp=layout.tp, ep=layout.ep, **where)
-    kw = dict(zero=layout.zero, p=p, step=step, replicas=layout.dp_replicate)
-    out = {"shard": _units(model, dense, n=layout.dims.shard_size, **kw),
-           "replicate": _replicate(model, dense, n=layout.dims.shard_size, **kw)}
+    out = dict(zip(("reduce", "gathers"), _units(model, dense, n=layout.dims.shard_size, **kw),
+                   strict=True))
+    replicate = _replicate(model, dense, n=layout.dims.shard_size, replicas=layout.dp_replicate,
+                           **kw)
     if layout.ep > 1:
         held = ([], rank_expert_groups(model, ep=layout.ep, **where), [])
-        out["edp"] = _units(model, held, n=layout.dims.expert_shard_size, **kw)
-        out["replicate"] += _replicate(model, held, n=layout.dims.expert_shard_size, **kw)
+        out["expert_reduce"], out["expert_gathers"] = _units(
+            model, held, n=layout.dims.expert_shard_size, **kw)
+        replicate += _replicate(model, held, n=layout.dims.expert_shard_size,
+                                replicas=layout.dp_replicate, **kw)
+    return DpTraffic(**out, replicate=replicate)
+
+
+def _dp(model, layout, step, *, pp_rank) -> dict[str, Volume]:
+    dp = dp_traffic(model, layout, step, pp_rank=pp_rank)
+    out = {"shard": dp.reduce + dp.gathers, "replicate": dp.replicate}
+    if layout.ep > 1:
+        out["edp"] = dp.expert_reduce + dp.expert_gathers
     return out
 
 
@@ -209,6 +240,8 @@ def _replicate(model, held, *, n: int, zero: int, p: int, step, replicas: int) -
     """HSDP: each unit's reduced gradients (its shard at ZeRO 1-3, the whole buffer at 0)
     all-reduced in fp32 over the replicas holding the same shards, once a step."""
     total = Volume()
+    if replicas == 1:
+        return total
     for numels in unit_numels(model, zero=zero, bucket_mb=step.bucket_mb, elem_bytes=p,
                               held=held):
         lay = ShardLayout(numels, n_shards=n if zero >= 1 else 1)
@@ -216,28 +249,29 @@ def _replicate(model, held, *, n: int, zero: int, p: int, step, replicas: int) -
     return total
 
 
-def _units(model, held, *, n: int, zero: int, p: int, step, replicas: int = 1) -> Volume:
+def _units(model, held, *, n: int, zero: int, p: int, step) -> tuple[Volume, Volume]:
+    """(gradient reductions, parameter all-gathers) of the units of `held` over n ranks."""
     if n == 1:
-        return Volume()
+        return Volume(), Volume()
     wire = 4 if step.grad_comm_dtype == "fp32" else 2
-    total = Volume()
+    reduce, gathers = Volume(), Volume()
     units = unit_numels(model, zero=zero, bucket_mb=step.bucket_mb, elem_bytes=p, held=held)
     has_ends = bool(held[0] or held[2])
     for k, numels in enumerate(units):
         padded = ShardLayout(numels, n_shards=n if zero >= 1 else 1).padded_numel
         if wire == 2:  # a 16-bit wire: every rank's buffer gathered, summed in fp32
-            total += gather(n * padded * wire, n)
+            reduce += gather(n * padded * wire, n)
         elif zero == 0:
-            total += all_reduce(padded * wire, n)
+            reduce += all_reduce(padded * wire, n)
         else:  # a reduce-scatter: the same bytes as the all-gather of its input's size
-            total += gather(padded * wire, n)
+            reduce += gather(padded * wire, n)
         if zero in (1, 2):
-            total += gather(padded * p, n)
+            gathers += gather(padded * p, n)
         elif zero == 3:  # the non-block unit comes first (flat_states.unit_numels)
             ends = k == 0 and has_ends
             once = ends or not step.zero3_reshard  # gathered again for backward, or held
-            total += gather(padded * p, n).times(step.microbatches * (1 if once else 2))
-    return total
+            gathers += gather(padded * p, n).times(step.microbatches * (1 if once else 2))
+    return reduce, gathers
 
 
 def _ep(model, layout, step, *, layers, tokens, e) -> Volume:

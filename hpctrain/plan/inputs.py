@@ -15,6 +15,7 @@ from hpctrain.plan.calibrate import calibrated_cluster, local_cluster
 from hpctrain.plan.calibrate_run import read_run, refine, run_device
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.layout import Layout
+from hpctrain.plan.memory.model import StepShape
 from hpctrain.plan.time import step_time
 
 
@@ -59,6 +60,18 @@ def plan_cluster(cfg: Config) -> tuple[ClusterSpec, dict[str, Any] | None]:
     return cluster, {"from": str(source), **record}
 
 
+def step_shape(cfg: Config) -> StepShape:
+    """What a step of `cfg` holds and sends beyond its layout (`plan.memory.model`)."""
+    t = cfg.train
+    return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+                     microbatches=cfg.grad_accum, recompute=t.activation_checkpointing,
+                     precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
+                     checkpoint_async=cfg.train.checkpoint_async,
+                     packed=cfg.data.packing != "none",
+                     grad_comm_dtype=cfg.parallel.grad_comm_dtype,
+                     zero3_reshard=t.zero3_reshard_after_forward)
+
+
 def _step_seconds(cfg: Config, cluster: ClusterSpec) -> float:
     """The step time `run_plan` reports for `cfg` on `cluster`."""
     t, settings = cfg.train, plan_settings(cfg)
@@ -69,7 +82,8 @@ def _step_seconds(cfg: Config, cluster: ClusterSpec) -> float:
                      seq_len=t.seq_len, recompute=t.activation_checkpointing,
                      precision=t.precision, dp_overlap=settings.dp_overlap,
                      attended_per_token=attended,
-                     fp8=t.fp8 and cluster.device.fp8_flops is not None).step_time_s
+                     fp8=t.fp8 and cluster.device.fp8_flops is not None,
+                     issued=step_shape(cfg)).step_time_s
 
 
 def simulated_in_flight(cfg: Config) -> int:

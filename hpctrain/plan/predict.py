@@ -30,10 +30,9 @@ from hpctrain.config.schema import Config
 from hpctrain.distributed.device import device_name
 from hpctrain.plan.calibrate import local_cluster, measure_device, measure_gemm_shapes
 from hpctrain.plan.cluster import ClusterSpec
-from hpctrain.plan.inputs import cluster_spec, layout_of, simulated_in_flight
+from hpctrain.plan.inputs import cluster_spec, layout_of, simulated_in_flight, step_shape
 from hpctrain.plan.memory.formulas import ModelStates
 from hpctrain.plan.memory.model import (
-    StepShape,
     engine_states,
     gathered_bytes,
     rank_memory,
@@ -57,17 +56,6 @@ def run_cluster(cfg: Config, *, device: torch.device | None = None) -> ClusterSp
                           precision=t.precision, device=dev, name=device_name(dev))
     return local_cluster(spec, gpus_per_node=c.procs_per_node,
                          achievable_fraction=c.achievable_fraction)
-
-
-def step_shape(cfg: Config) -> StepShape:
-    t = cfg.train
-    return StepShape(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
-                     microbatches=cfg.grad_accum, recompute=t.activation_checkpointing,
-                     precision=t.precision, fp8=t.fp8, bucket_mb=cfg.parallel.bucket_mb,
-                     checkpoint_async=cfg.train.checkpoint_async,
-                     packed=cfg.data.packing != "none",
-                     grad_comm_dtype=cfg.parallel.grad_comm_dtype,
-                     zero3_reshard=t.zero3_reshard_after_forward)
 
 
 def predicted_states(cfg: Config) -> ModelStates:
@@ -98,11 +86,13 @@ def predicted_peak(cfg: Config) -> dict[str, float]:
 
 
 def predicted_step_time(cfg: Config, cluster: ClusterSpec):
-    """`hpctrain.plan.time.step_time` for `cfg` on `cluster` (no dp overlap assumed)."""
+    """`hpctrain.plan.time.step_time` for `cfg` on `cluster` (no dp overlap assumed), of
+    the collectives hpctrain issues."""
     t = cfg.train
     return step_time(cfg.model, cluster, layout=layout_of(cfg), global_batch=t.global_batch_size,
                      micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                      recompute=t.activation_checkpointing, precision=t.precision,
+                     issued=step_shape(cfg),
                      # a device without FP8 units (CPU: emulated) times the GEMMs at its peak
                      fp8=t.fp8 and cluster.device.fp8_flops is not None)
 

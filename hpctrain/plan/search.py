@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from hpctrain.distributed.dims import divisors
+from hpctrain.models.config import ModelConfig
 from hpctrain.plan.cluster import ClusterSpec
 from hpctrain.plan.experts import expert_degrees
 from hpctrain.plan.layout import RECOMPUTES, Layout, layout_problems
@@ -99,14 +100,16 @@ def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_ba
                     seq_len, precision, dp_overlap, in_flight: int | None = None,
                     attended_per_token: float | None = None, fp8: bool = False,
                     exact: bool = True, ov: Stack = NONE, bucket_mb: float = 25.0,
-                    zero3_reshard: bool = True) -> Candidate:
+                    zero3_reshard: bool = True, issued: bool = True) -> Candidate:
     """Memory (the one model, `plan.rank_memory`) and time of one layout. in_flight:
     activation sets alive at the peak on every pipeline rank; None takes the schedule's, rank
     by rank. attended_per_token: keys per token under document masks (`plan.time.step_time`).
     fp8: FP8 linears (train.fp8): their GEMMs at the FP8 peak, their float8 weight copies.
     exact=False: the step time without the pipeline's bubble (a lower bound, not simulated).
     ov: the communication the stack overlaps (`hpctrain.plan.stack`). zero3_reshard:
-    train.zero3_reshard_after_forward (a ZeRO-3 layout's gathered blocks)."""
+    train.zero3_reshard_after_forward (a ZeRO-3 layout's gathered blocks). issued: time the
+    collectives hpctrain issues for a `ModelConfig` (`plan.time.step_time`); False, or a
+    published table's shape, the traffic of the published stack `ov` describes."""
     m = global_batch // (micro_batch_size * layout.dp)
     step = StepShape(seq_len=seq_len, micro_batch_size=micro_batch_size, microbatches=m,
                      recompute=recompute, precision=precision, fp8=fp8, bucket_mb=bucket_mb,
@@ -116,7 +119,8 @@ def evaluate_layout(model, cluster, layout, recompute, *, global_batch, micro_ba
     t = step_time(model, cluster, layout=layout, global_batch=global_batch,
                   micro_batch_size=micro_batch_size, seq_len=seq_len, recompute=recompute,
                   precision=precision, dp_overlap=dp_overlap,
-                  attended_per_token=attended_per_token, fp8=fp8, pipeline=exact, ov=ov)
+                  attended_per_token=attended_per_token, fp8=fp8, pipeline=exact, ov=ov,
+                  issued=step if issued and isinstance(model, ModelConfig) else None)
     return Candidate(layout, recompute, mem, t, mem.fits(cluster.device.memory_bytes),
                      exact=exact or layout.pp == 1)
 

@@ -59,6 +59,24 @@ L = l/(pp·v) layers, each term below with its source:
   ep and the exposed cp time are added to the step outside the simulated actions (serially,
              not yet split into T_F/T_B)
 Ring costs: all-reduce 2(n−1)/n · bytes/bw + 2(n−1)·latency; all-gather or reduce-scatter half.
+
+The terms above price the traffic of the published stacks the constants were fitted to
+(Megatron-LM's). `issued` (a `StepShape`; `evaluate_layout` passes it for a `ModelConfig`,
+so `task=plan`, `parallel=auto` and the trainer's prediction use it) prices instead the
+collectives hpctrain's code issues, as `plan.comm_volume` counts them (and the dry run's tally
+checks op for op):
+  dp       per unit and role (`comm_volume.dp_traffic`) on the busier end of the pipeline:
+           the reductions on the wire dtype (parallel.grad_comm_dtype; a 16-bit wire is an
+           all-gather of every rank's buffer), the parameter all-gathers (ZeRO-1/2 once a
+           step; ZeRO-3 each block twice a micro-batch, once without
+           train.zero3_reshard_after_forward), each op its ring latency
+  HSDP     the replica all-reduces start as each unit's reduction lands, overlapped with the
+           rest of the last micro-batch's backward: exposed max(one unit's, all − backward)
+  tp       a dense block's 4 all-reduces (or sp's 4 all-gather/reduce-scatter pairs), an MoE
+           block's 2 (its experts stay whole); full recomputation reruns what torch's
+           early-stopping recomputation reruns: 1 all-reduce a block without sp, 3 half-size
+           collectives a dense block under sp, 2 an MoE block
+  pp       each hop's 1/t piece, then (tp without sp) its all-gather over tp on arrival
 The optimizer step and the embedding lookup are not timed (< 1% at these sizes).
 tflops_per_device counts the FLOPs executed (`shapes.training_flops_per_token`), as Megatron
 reports; mfu counts model FLOPs only. Attention is linear in the attended keys per token: s
@@ -71,12 +89,15 @@ test_plan_published.py; benchmarks/results/planner.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
+from hpctrain.models.config import ModelConfig
 from hpctrain.parallel.context.ring import ring_shards
 from hpctrain.plan import experts, stack
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.cluster import ClusterSpec
+from hpctrain.plan.comm_volume import Volume, dp_traffic
 from hpctrain.plan.kernels import head_cost, layer_cost, loss_cost, roofline
 from hpctrain.plan.layout import Layout, check_layout, num_microbatches
 from hpctrain.plan.memory.formulas import state_bytes_per_param
@@ -273,20 +294,35 @@ def ep_comm_s(model: Shape, cluster, layout, *, m, mbs, seq_len, recompute, prec
     return m * model.n_moe_layers / layout.pp * k * experts.a2a_time(nbytes, cluster, layout)
 
 
-def _tp_exposed(lc, ar: float, *, recompute: str, tp_overlap: str) -> tuple[float, float]:
-    """(forward, backward) tp seconds a layer waits for: 2 all-reduces forward, 2 backward
-    (+2 for the recomputed forward), blocking, or pipelined with the layer's projection GEMMs
-    (lc.w: one pass of them) under tp_overlap="full" (`hpctrain.plan.stack`)."""
-    k_b = 4 if recompute == "full" else 2
+def _tp_exposed(lc, ar: float, *, recompute: str, tp_overlap: str,
+                calls: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(forward, backward) tp seconds a layer waits for: `calls` all-reduces forward and
+    backward (default the published stacks': 2 and 2, +2 for the recomputed forward),
+    blocking, or pipelined with the layer's projection GEMMs (lc.w: one pass of them) under
+    tp_overlap="full" (`hpctrain.plan.stack`)."""
+    k_f, k_b = calls or (2, 4 if recompute == "full" else 2)
     if tp_overlap == "none":
-        return 2 * ar, k_b * ar
+        return k_f * ar, k_b * ar
     gemms_b = (3 if recompute == "full" else 2) * lc.w  # dgrad + wgrad (+ the rerun forward)
-    return stack.exposed(2 * ar, lc.w), stack.exposed(k_b * ar, gemms_b)
+    return stack.exposed(k_f * ar, lc.w), stack.exposed(k_b * ar, gemms_b)
+
+
+def issued_tp_calls(model: ModelConfig, layout: Layout, recompute: str) -> tuple[float, float]:
+    """(forward, backward) all-reduces' worth of tp traffic a layer issues in hpctrain,
+    averaged over the model's layers (module docstring, `issued`; sp's all-gather and
+    reduce-scatter pairs count as one all-reduce)."""
+    moe = model.n_moe_layers / model.n_layers
+    rerun = 0.0
+    if recompute == "full":
+        rerun = (1 - moe) * (1.5 if layout.sp else 1.0) + moe * 1.0
+    per_pass = 2 * (1 - moe) + moe
+    return per_pass, per_pass + rerun
 
 
 def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: int,
                   seq_len: int, keys: float, recompute: str, precision: str,
-                  fp8: bool = False, tp_overlap: str = "none"):
+                  fp8: bool = False, tp_overlap: str = "none",
+                  tp_calls: tuple[float, float] | None = None):
     """(T_F, T_B, T_W) of one chunk and microbatch with the exposed tp traffic, then the
     chunk's kernel seconds and its exposed tp seconds (module docstring)."""
     r = roofline(cluster.device, precision=precision,
@@ -299,7 +335,8 @@ def _action_costs(model: Shape, cluster: ClusterSpec, layout: Layout, *, mbs: in
     bw, lat = tp_link(cluster, layout.tp)
     nbytes = mbs * seq_len * model.dim * _act_bytes(precision)
     ar = ring_time(nbytes, n=layout.tp, bw=bw, latency=lat, op="all_reduce")
-    tp_f, tp_b = _tp_exposed(lc, ar, recompute=recompute, tp_overlap=tp_overlap)
+    tp_f, tp_b = _tp_exposed(lc, ar, recompute=recompute, tp_overlap=tp_overlap,
+                             calls=tp_calls)
     per_chunk = model.n_layers / (layout.pp * layout.virtual_stages)
     return (per_chunk * (lc.f + tp_f), per_chunk * (lc.b + tp_b), per_chunk * lc.w,
             per_chunk * (lc.f + lc.b + lc.w), per_chunk * (tp_f + tp_b))
@@ -317,11 +354,56 @@ def _pipeline(layout: Layout, *, m: int, costs, hop: float) -> tuple[float, floa
     return work, work * f0 / (1 - f0), max(0.0, work / (1 - f1) - work / (1 - f0))
 
 
-def _dp_time(model, cluster, layout, *, precision, dp_overlap, ov, costs) -> float:
+def volume_s(v: Volume, *, n: int, bw: float, latency: float, steps: int = 1) -> float:
+    """Seconds of the collectives `v` counts on a ring of n ranks: its bytes at `bw`, and
+    `steps`·(n − 1) latencies an op (2 for all-reduces)."""
+    return v.bytes / bw + v.ops * steps * (n - 1) * latency if n > 1 else 0.0
+
+
+# the layout search times each layout's dp traffic once per recomputation and bound pass
+_dp_traffic = functools.lru_cache(maxsize=4096)(dp_traffic)
+
+
+def issued_dp_parts(model: ModelConfig, cluster: ClusterSpec, layout: Layout, step
+                    ) -> tuple[float, float, float, float]:
+    """(reductions, parameter all-gathers, replica all-reduces, one replica all-reduce)
+    seconds of the dp collectives hpctrain issues (`comm_volume.dp_traffic`) on whichever
+    end of the pipeline sends more (the embedding's or the head's stage)."""
+    dims, zero = layout.dims, layout.zero
+    step = replace(step, recompute="none")  # what the dp traffic does not depend on
+    d = max((_dp_traffic(model, layout, step, pp_rank=r) for r in {0, layout.pp - 1}),
+            key=lambda d: d.reduce.bytes + d.gathers.bytes + d.expert_reduce.bytes
+            + d.expert_gathers.bytes)
+    reduce_steps = 2 if zero == 0 and step.grad_comm_dtype == "fp32" else 1
+    bw, lat = dp_link(cluster, stride=dims.stride("dp"), dp=dims.dp_shard)
+    link = dict(n=dims.shard_size, bw=bw, latency=lat)
+    rs = volume_s(d.reduce, steps=reduce_steps, **link)
+    ag = volume_s(d.gathers, **link)
+    if layout.ep > 1:  # every ep-th dp coordinate of the replica holds the same experts
+        bw, lat = dp_link(cluster, stride=dims.stride("ep") * dims.ep,
+                          dp=dims.dp_shard // dims.ep)
+        link = dict(n=dims.expert_shard_size, bw=bw, latency=lat)
+        rs += volume_s(d.expert_reduce, steps=reduce_steps, **link)
+        ag += volume_s(d.expert_gathers, **link)
+    r = layout.dp_replicate
+    bw, lat = dp_link(cluster, stride=dims.stride("replicate"), dp=r)
+    replicas = volume_s(d.replicate, n=r, bw=bw, latency=lat, steps=2)
+    one = replicas / d.replicate.ops if d.replicate.ops else 0.0
+    return rs, ag, replicas, one
+
+
+def _dp_time(model, cluster, layout, *, precision, dp_overlap, ov, costs, issued=None) -> float:
     """Exposed dp seconds: (1 − dp_overlap) of the reduce-scatter + all-gather, or under
-    ov.dp what outlasts one microbatch's backward / forward on this rank (`plan.stack`)."""
-    rs, ag = dp_comm_parts(model, cluster, layout, precision=precision, ov=ov)
-    replicas = replicate_s(model, cluster, layout, precision=precision, ov=ov)
+    ov.dp what outlasts one microbatch's backward / forward on this rank (`plan.stack`);
+    HSDP's replica all-reduces in full, or (`issued`) what outlasts the last micro-batch's
+    backward."""
+    if issued is None:
+        rs, ag = dp_comm_parts(model, cluster, layout, precision=precision, ov=ov)
+        replicas = replicate_s(model, cluster, layout, precision=precision, ov=ov)
+    else:
+        rs, ag, replicas, one = issued_dp_parts(model, cluster, layout, issued)
+        backward = layout.virtual_stages * (costs[1] + costs[2])
+        replicas = max(one, replicas - backward) if replicas else 0.0
     if not ov.dp:
         return (1.0 - dp_overlap) * (rs + ag) + replicas
     v = layout.virtual_stages
@@ -337,7 +419,7 @@ def step_time(
     model: Shape, cluster: ClusterSpec, *, layout: Layout, global_batch: int,
     micro_batch_size: int, seq_len: int, recompute: str = "none", precision: str = "bf16",
     dp_overlap: float = 0.0, attended_per_token: float | None = None, fp8: bool = False,
-    pipeline: bool = True, ov: Stack = stack.NONE,
+    pipeline: bool = True, ov: Stack = stack.NONE, issued=None,
 ) -> StepTime:
     """Predict one optimizer step of `model` on `cluster` under `layout` (module docstring).
 
@@ -352,6 +434,9 @@ def step_time(
     of the step time that the layout search prunes with (`hpctrain.plan.search`).
     ov: the training stack: which tp, dp and pp traffic it overlaps with compute, and the
     gradients' element size in the dp reduction (`hpctrain.plan.stack`).
+    issued: the step's `StepShape` (its micro-batch count matching this one's) for a
+    `ModelConfig`: price the collectives hpctrain issues (module docstring) instead of the
+    published stacks' traffic (None).
     """
     if not 0.0 <= dp_overlap <= 1.0:
         raise ValueError(f"dp_overlap={dp_overlap} must be in [0, 1]")
@@ -360,10 +445,16 @@ def step_time(
     attn = seq_len if attended_per_token is None else attended_per_token
     if not 0 < attn <= seq_len:
         raise ValueError(f"attended_per_token={attn} must be in (0, seq_len={seq_len}]")
+    if issued is not None and (not isinstance(model, ModelConfig)
+                               or issued.microbatches != m):
+        raise ValueError(f"issued={issued} must be the StepShape of this step ({m} "
+                         "micro-batches) of a ModelConfig: the collectives hpctrain issues "
+                         f"are known for a model's parameter list, not for {type(model)}")
     kw = dict(m=m, mbs=micro_batch_size, seq_len=seq_len // layout.cp, precision=precision)
     *costs, kernels, tp_chunk = _action_costs(
         model, cluster, layout, mbs=micro_batch_size, seq_len=seq_len // layout.cp, keys=attn,
-        recompute=recompute, precision=precision, fp8=fp8, tp_overlap=ov.tp)
+        recompute=recompute, precision=precision, fp8=fp8, tp_overlap=ov.tp,
+        tp_calls=None if issued is None else issued_tp_calls(model, layout, recompute))
     r = roofline(cluster.device, precision=precision,
                  achievable_fraction=cluster.achievable_fraction,
                  measured=cluster.measured_gemms(precision))
@@ -374,6 +465,11 @@ def step_time(
     hop = pp_comm_s(model, cluster, layout, **{**kw, "m": 1}) / (2 * layout.virtual_stages)
     if ov.pp:
         hop = min(hop, pp_link(cluster, layout)[1])  # only the latency stays exposed
+    if issued is not None and layout.pp > 1 and not layout.sp:  # the pieces' tp all-gather
+        bw, lat = tp_link(cluster, layout.tp)
+        hop += ring_time(micro_batch_size * seq_len // layout.cp * model.dim
+                         * _act_bytes(precision), n=layout.tp, bw=bw, latency=lat,
+                         op="all_gather")
     if pipeline:
         work, bubble, pp = _pipeline(layout, m=m, costs=costs, hop=hop)
     else:
@@ -383,7 +479,7 @@ def step_time(
     cp = cp_exposed_s(cp_traffic, compute_s=compute, transport=layout.cp_comm)
     ep = ep_comm_s(model, cluster, layout, recompute=recompute, **kw)
     dp = _dp_time(model, cluster, layout, precision=precision, dp_overlap=dp_overlap, ov=ov,
-                  costs=costs)
+                  costs=costs, issued=issued)
     return _rates(model, cluster, layout, global_batch=global_batch, seq_len=seq_len, attn=attn,
                   recompute=recompute, precision=precision,
                   parts=dict(compute_s=compute, comm_tp_s=tp, comm_pp_s=pp, bubble_s=bubble,

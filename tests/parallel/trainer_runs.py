@@ -65,9 +65,8 @@ def zero3_memory(overrides: list[str], run_dir: str, *, steps: int = 2):
     trajectory, its memory metrics, and under ZeRO-3 the bytes of the unit outside the blocks
     and of the two largest consecutive blocks (with their experts' units), from the engine's
     own units, and the planner's gathered bytes for the run (`plan.memory.model`)."""
-    from hpctrain.plan.inputs import layout_of
+    from hpctrain.plan.inputs import layout_of, step_shape
     from hpctrain.plan.memory.model import gathered_bytes
-    from hpctrain.plan.predict import step_shape
 
     trainer = run_trainer(overrides, run_dir, steps=steps)
     trajectory = [(h["loss"], h["grad_norm"]) for h in trainer.history]

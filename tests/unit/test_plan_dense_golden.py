@@ -19,7 +19,13 @@ freed and without the stored input its fp32 norm shares: 0.72-1.00× more; nothi
 changed, same verdicts and winners), and for issue 44 (ZeRO-3 frees each block's gathered
 weights after its forward: the 22 ZeRO-3 candidates' activations lose the rank's whole
 gathered model and their buffers gain the unit outside the blocks and two blocks, the two
-together 0.08-0.95× of before; nothing else changed, same verdicts and winners).
+together 0.08-0.95× of before; nothing else changed, same verdicts and winners), and again
+for issue 44 (`plan.time` prices the collectives hpctrain issues for its own models: fp32
+gradients on the wire, ZeRO-3's gathers every micro-batch, torch's recomputation's tp traffic:
+dp seconds 1.006-21×, tp seconds 0.917× for sp with full recomputation, step times
+0.96-1.29×; no fit verdict changed; small's winner is ZeRO-1 instead of ZeRO-0, whose fp32
+all-reduce now costs more than ZeRO-1's fp32 reduce-scatter and bf16 all-gather; the GPT
+shape's numbers unchanged).
 Regenerate with `python -m tests.unit.test_plan_dense_golden` only when a change to dense
 predictions is intended."""
 

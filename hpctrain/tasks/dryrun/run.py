@@ -31,7 +31,7 @@ from hpctrain.config.schema import Config
 from hpctrain.plan.auto import memory_limit, planning_cluster, usable_bytes
 from hpctrain.plan.bubble import in_flight_by_rank
 from hpctrain.plan.comm_volume import Volume, step_volumes
-from hpctrain.plan.inputs import layout_of
+from hpctrain.plan.inputs import layout_of, step_shape
 from hpctrain.plan.memory.formulas import FUSED_ATTENTION, fp8_buffer_bytes
 from hpctrain.plan.memory.model import (
     engine_states,
@@ -39,7 +39,6 @@ from hpctrain.plan.memory.model import (
     rank_activations,
     rank_checkpoint_bytes,
 )
-from hpctrain.plan.predict import step_shape
 from hpctrain.plan.search import GIB
 from hpctrain.tasks.dryrun.comm import comm_rows
 
