@@ -182,6 +182,30 @@ def ledger_and_padding(zero: int):
     return engine.ledger(), psi, engine.padding(), peak
 
 
+def grad_shard_bytes_through_a_step(zero: int) -> tuple[int, int, int]:
+    """Bytes the units' grad shards hold (storage) before a step, between its reduction and
+    its update (captured in the optimizer's norm), and after it."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    _, engine = make_engine(zero=zero, precision="bf16", bucket_mb=0.05)
+    mbs = rank_micro_batches(0, dp=dp, rank=rank, accum=2, vocab=512)
+
+    def held() -> int:
+        return sum(u.grad_shard.untyped_storage().nbytes() for u in engine.units)
+
+    seen = []
+    norm = engine.optimizer.global_grad_norm
+
+    def spy(**kw):
+        seen.append(held())
+        return norm(**kw)
+
+    engine.optimizer.global_grad_norm = spy
+    before = held()
+    engine.train_step(mbs, n_micro=2, precision="bf16", scaler=LossScaler(enabled=False),
+                      grad_clip=1.0)
+    return before, seen[0], held()
+
+
 def trajectory(steps: int, *, precision: str, comm: str = "fp32", zero: int = 2):
     """(max |θ − θ_fp32| of the fp32 masters, max |loss − loss_fp32|) after `steps`."""
     params, ref_losses = run_dp(steps, zero=zero, accum=1, precision="fp32")

@@ -28,6 +28,17 @@ def test_ledger_equals_zero_formulas(world2, zero):
         assert 0 <= pad < 2 * 6  # fewer than dp per unit
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_grad_shards_hold_memory_only_from_the_reduction_to_the_update(world2, zero):
+    """As FSDP2 drops its sharded gradients at zero_grad: nothing held while a step's
+    activations peak (early in backward), the ledger's size at the update."""
+    for (before, during, after), (ledger, _, _, _) in zip(
+            world2.run(h.grad_shard_bytes_through_a_step, zero),
+            world2.run(h.ledger_and_padding, zero), strict=True):
+        assert before == after == 0
+        assert during == ledger["mem_grads_bytes"] > 0
+
+
 def test_zero3_peak_params_bounded_by_blocks_in_flight(world2):
     for ledger, _, _, (peak, shard, bound) in world2.run(h.ledger_and_padding, 3):
         assert ledger["mem_params_bytes"] == shard  # steady state: shards only
