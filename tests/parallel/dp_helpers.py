@@ -152,15 +152,16 @@ def replica_overlap_times(zero: int):
 
 
 def works_held_after_backward(zero: int) -> tuple[int, int]:
-    """(reductions still holding a Work — and so their packed gradient buffer — when backward
-    returns, units) of one micro-batch with the reduction inside backward."""
+    """(reductions still holding their packed gradient buffer — through their Work, or as
+    the buffer reduced in place (gloo's all-reduce) — when backward returns, units) of one
+    micro-batch with the reduction inside backward."""
     from hpctrain.parallel.step import lm_loss
 
     model, engine = make_engine(zero=zero, bucket_mb=0.02)
     x, y = rank_micro_batches(0, dp=dist.get_world_size(), rank=dist.get_rank(), accum=1,
                               vocab=512)[0]
     lm_loss(model(x), y).backward()
-    held = sum(p.work is not None for p in engine.reducer._pending)
+    held = sum(p.work is not None or p.buf is not None for p in engine.reducer._pending)
     engine.reducer.finish()
     return held, len(engine.units)
 

@@ -80,7 +80,7 @@ def size_groups(named: list[tuple[str, torch.nn.Parameter]], *, bucket_bytes: fl
 class _Pending:
     unit: FlatUnit
     work: dist.Work | None
-    buf: torch.Tensor
+    buf: torch.Tensor | None  # what the collective reduces into; None once landed
     target: torch.Tensor | None = None  # set once landed: the reduced values, before division
     replica_work: dist.Work | None = None  # HSDP: its all-reduce over the replicas
 
@@ -227,7 +227,7 @@ class GradReducer:
             buf = buf[lo:hi]
         if buf.data_ptr() != target.data_ptr():
             target.copy_(buf)
-        pending.target = target
+        pending.target, pending.buf = target, None  # the packed buffer goes now, not at finish
         if group_size(self.replicas) > 1:  # the other replicas' sums of the same elements
             self.replica_times.append((unit.index, time.perf_counter()))
             pending.replica_work = dist.all_reduce(target, group=self.replicas, async_op=True)
