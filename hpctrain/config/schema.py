@@ -270,8 +270,10 @@ class DataConfig:
     text_key: str = "text"
     on_bad_record: Literal["error", "skip"] = "error"  # skip: skip and count bad records
     # byte: UTF-8 bytes; bpe: trained locally; hf: a tokenizer.json (tokenizer_path: the file
-    # or its directory); tiktoken: a <encoding>.tiktoken file (tokenizer_path).
-    tokenizer: Literal["byte", "bpe", "hf", "tiktoken"] = "byte"
+    # or its directory); tiktoken: a <encoding>.tiktoken file (tokenizer_path). null: the kind
+    # of tokenizer_path (tiktoken for a .tiktoken file, else hf), else model.init_from's
+    # tokenizer.json (hf), else byte (`tokenizer_kind`).
+    tokenizer: Literal["byte", "bpe", "hf", "tiktoken"] | None = None
     tokenizer_path: str | None = None
     bos_token: str | None = None  # before each document; null: the tokenizer's own, '': none
     eod_token: str | None = None  # after each document; null: the tokenizer's end-of-text
@@ -283,6 +285,18 @@ class DataConfig:
     cache_dir: str = "~/.cache/hpctrain"
     # documents: attention and RoPE positions stay inside each document; none: a row is one text
     packing: Literal["documents", "none"] = "documents"
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:  # collect() already took model.init_from's when it has one
+            object.__setattr__(self, "tokenizer", tokenizer_kind(self.tokenizer_path))
+
+
+def tokenizer_kind(path: str | None) -> str:
+    """data.tokenizer left unset: what `path` holds (a .tiktoken file: tiktoken; another
+    file or a directory: a Hugging Face tokenizer.json), byte without one."""
+    if not path:
+        return "byte"
+    return "tiktoken" if str(path).endswith(".tiktoken") else "hf"
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from hpctrain.config.build import format_problems
 from hpctrain.config.rule import check
-from hpctrain.config.schema import Config, corpus_name, corpus_view
+from hpctrain.config.schema import Config, corpus_name, corpus_view, tokenizer_kind
 from hpctrain.data import prepare as prep
-from hpctrain.data.records import SUFFIXES, list_inputs
+from hpctrain.data.records import SUFFIXES, content_kind, list_inputs
 from hpctrain.data.tokenizer import EXTRA
 from hpctrain.data.verify import check_token_dir
 from hpctrain.models.llama.hf_config import model_tokenizer
@@ -133,7 +133,24 @@ def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
     if unreadable:
         return [f"{key}: {unreadable[0]} is not readable (permissions): fix them or drop "
                 f"it from {key}"]
-    return []
+    return next(([e] for f in files if (e := _content_problem(f, fmt, key=key))), [])
+
+
+def _content_problem(path: Path, fmt: str, *, key: str) -> str | None:
+    """A file whose content data.format would misread (identified by its first bytes)."""
+    kind = content_kind(path)
+    if fmt == "text" and kind is not None:
+        want = "parquet" if kind == "parquet" else "jsonl"
+        return (f"{key}: {path} is a {kind} file (its first bytes), which data.format=text "
+                f"would tokenise as one document of raw bytes: set data.format={want}"
+                + ("" if kind == "parquet" else " if it holds JSON Lines, else decompress it"))
+    if fmt == "jsonl" and kind == "parquet":
+        return (f"{key}: {path} is a Parquet file (its first bytes), not JSON Lines: set "
+                "data.format=parquet")
+    if fmt == "parquet" and kind != "parquet":
+        return (f"{key}: {path} is not a Parquet file (it does not begin with PAR1): set "
+                f"data.format={'jsonl' if kind else 'jsonl or text'} to match what it holds")
+    return None
 
 
 @check("data.format", "data.paths", stage="input", data=True)
@@ -150,7 +167,7 @@ def check_format(c: Config) -> list[str]:
 
 def _format_problems(key: str, d) -> list[str]:
     need = {"parquet": ["pyarrow"], "hf": ["datasets"]}.get(d.format, [])
-    if d.format == "jsonl" and any(p.name.endswith(".zst")
+    if d.format == "jsonl" and any(content_kind(p) == "zstd"
                                    for p in prep.source_files(d) + prep.val_files(d)):
         need.append("zstandard")
     missing = [m for m in need if not _installed(m)]
@@ -172,6 +189,11 @@ def check_tokenizer(c: Config) -> list[str]:
     d = c.data
     if d.source == "tokens":
         return []
+    if d.tokenizer in ("byte", "bpe") and d.tokenizer_path:
+        kind = tokenizer_kind(d.tokenizer_path)
+        return [f"data.tokenizer={d.tokenizer} reads no tokenizer file, but data.tokenizer_path="
+                f"{d.tokenizer_path} is given: set data.tokenizer={kind} to tokenise with it, "
+                "or drop data.tokenizer_path"]
     if d.tokenizer == "bpe":
         missing = not _installed("tokenizers")
         return [f"data.tokenizer=bpe needs the tokenizers package: {EXTRA}"] if missing else []

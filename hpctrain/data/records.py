@@ -1,8 +1,8 @@
 """Documents from input files, one per record: data.format = text | jsonl | parquet | hf.
 
 - text: a whole file is one document (raw bytes).
-- jsonl: one JSON object per line, the document in its `data.text_key` field; plain, `.gz`
-  or `.zst` (zstandard). Blank lines are not records.
+- jsonl: one JSON object per line, the document in its `data.text_key` field; plain, gzip
+  or zstandard (told by the file's first bytes, not its name). Blank lines are not records.
 - parquet: the `data.text_key` column of every row (pyarrow).
 - hf: a dataset saved by `datasets.Dataset.save_to_disk`, read with `datasets.load_from_disk`
   (never a hub download); the `data.text_key` column of every row.
@@ -63,9 +63,20 @@ def _expand(path: Path, fmt: str) -> list[Path]:
             and (suffixes is None or p.name.endswith(suffixes))]
 
 
+MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"PAR1": "parquet"}
+
+
+def content_kind(path: Path) -> str | None:
+    """What a file's first bytes say it is — gzip, zstd or parquet — whatever its name
+    says; None for anything else (text, JSON Lines)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return next((kind for magic, kind in MAGIC.items() if head.startswith(magic)), None)
+
+
 def splittable(path: Path, fmt: str) -> bool:
     """Whether `records` can read byte ranges of this input (plain JSON Lines)."""
-    return fmt == "jsonl" and not path.name.endswith((".gz", ".zst"))
+    return fmt == "jsonl" and content_kind(path) is None
 
 
 def records(path: Path, fmt: str, *, text_key: str, start: int = 0, stop: int | None = None
@@ -99,9 +110,11 @@ def _whole_chars(data: bytes) -> bytes:
 
 
 def _open_lines(path: Path) -> io.BufferedIOBase:
-    if path.name.endswith(".gz"):
+    """A JSON Lines file's bytes, decompressed by what its content is, not its name."""
+    kind = content_kind(path)
+    if kind == "gzip":
         return gzip.open(path, "rb")
-    if path.name.endswith(".zst"):
+    if kind == "zstd":
         import zstandard  # optional: the `data` extra
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"),

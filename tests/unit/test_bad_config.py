@@ -10,6 +10,7 @@ directory with two checkpoints and two prepared token directories (short; broken
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import typing
 
 import pytest
@@ -213,6 +214,23 @@ BAD = [
      ["model.vocab_size=512 is smaller than the 607 token ids of data.tokenizer=hf "
       "({d}/hftok)", "set model.vocab_size=1024"]),
     (["data.tokenizer=byte", "data.bos_token='<s>'"], ["data.bos_token='<s>'", "remove"]),
+    # issue 45: inputs identified by content where names lie, a tokenizer file never ignored
+    ([FILES, "data.paths=[{d}/short.txt]", "data.tokenizer=byte", "data.tokenizer_path={d}/hftok"],
+     ["data.tokenizer=byte reads no tokenizer file, but data.tokenizer_path={d}/hftok is "
+      "given", "set data.tokenizer=hf"]),
+    ([FILES, "data.paths=[{d}/docs.jsonl.gz]"],
+     ["{d}/docs.jsonl.gz is a gzip file (its first bytes), which data.format=text would "
+      "tokenise as one document of raw bytes", "set data.format=jsonl"]),
+    ([FILES, "data.paths=[{d}/docs.zst]"], ["{d}/docs.zst is a zstd file",
+                                            "set data.format=jsonl"]),
+    ([FILES, "data.paths=[{d}/rows.parquet]"], ["{d}/rows.parquet is a parquet file",
+                                                "set data.format=parquet"]),
+    ([FILES, "data.format=jsonl", "data.paths=[{d}/rows.parquet]"],
+     ["{d}/rows.parquet is a Parquet file (its first bytes), not JSON Lines",
+      "set data.format=parquet"]),
+    ([FILES, "data.format=parquet", "data.paths=[{d}/short.txt]"],
+     ["{d}/short.txt is not a Parquet file (it does not begin with PAR1)",
+      "set data.format=jsonl or text"]),
     ([FILES, "data.paths=[/nonexistent/*.txt]"], ["no file matches /nonexistent/*.txt",
                                                   "check the path"]),
     (["data.source=tokens", "data.paths=[{d}/adir]"], ["lacks meta.json, train.bin, val.bin",
@@ -299,6 +317,9 @@ def inputs(tmp_path_factory):
     hf_tokenizer_dir(d / "hftok", words=600)  # 607 token ids
     tiktoken_file(d / "cl100k_base.tiktoken")
     (d / "adir" / "a.txt").write_text("hi")
+    (d / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hello"}\n'))
+    (d / "docs.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(12))  # a zstd frame's magic
+    (d / "rows.parquet").write_bytes(b"PAR1" + bytes(12) + b"PAR1")
     (d / "ckempty").mkdir()
     for name, meta in (("tok", '{"dtype": "uint16", "train_tokens": 100, "val_tokens": 10, '
                                '"vocab_size": 300, "eod": 256}'), ("badtok", "{not json")):
@@ -416,3 +437,16 @@ def test_data_shorter_than_a_batch_is_refused_after_prepare(tmp_path):
     message = str(info.value)
     assert "train split holds" in message and "= 2049" in message
     assert "data.max_bytes=100" in message and "prepared data:" in message
+
+
+def test_a_run_inside_another_runs_checkpoints_is_refused(tmp_path):
+    """Issue 45: hydra.run.dir inside run A's checkpoints/step_* was accepted; A then fell back
+    10 steps (its retention and resume own everything there)."""
+    other = tmp_path / "a"
+    (other / ".hydra").mkdir(parents=True)
+    inside = other / "checkpoints" / "step_00000010" / "b"
+    inside.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"hydra.run.dir=.*is inside .*checkpoints, the "
+                                         r"checkpoints of the run"):
+        make_config([], run_dir=inside)
+    make_config([], run_dir=tmp_path / "elsewhere")  # a neighbour is fine

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config.build import build
+from hpctrain.config.build import build, literal_choices
 from hpctrain.config.hydra_schema import SCHEMAS, defaults_of
 from hpctrain.config.schema import RUN_GROUPS
 from hpctrain.config.validate.keys import REGISTRY_CHOICES, literal_table
@@ -185,7 +185,7 @@ def test_choices_come_from_the_literal_annotations():
                              "export", "generate", "eval", "compat", "dryrun")
     hints = {f"{g}.{k}": h for g, cls in RUN_GROUPS.items()
              for k, h in typing.get_type_hints(cls).items()}
-    assert all(typing.get_origin(hints[k]) is typing.Literal for k in table if k != "task")
+    assert all(literal_choices(hints[k]) == table[k] for k in table if k != "task")
     assert not set(REGISTRY_CHOICES) & set(table)  # a registry key is not also a Literal
     with pytest.raises(ValueError, match="train.precision='fp64' is not one of 'fp32', "
                                          "'bf16', 'fp16': did you mean train.precision=fp16"):

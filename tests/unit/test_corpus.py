@@ -51,6 +51,34 @@ def test_jsonl_plain_gz_zst_directory_in_order_empty_skipped(tmp_path):
     assert meta["train_documents"] + meta["val_documents"] == 4
 
 
+def test_compression_is_read_from_the_content_not_the_name(tmp_path):
+    """A gzip stream named .jsonl and plain JSON Lines named .gz (issue 45: names lie)."""
+    (tmp_path / "a.jsonl").write_bytes(gzip.compress(jsonl_lines({"text": "zipped"})))
+    (tmp_path / "b.jsonl.gz").write_bytes(jsonl_lines({"text": "plain"}))
+    out = prepare(data_config(tmp_path, [tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"],
+                              format="jsonl"))
+    assert all_tokens(out)[0] == framed("zipped", "plain")
+
+
+def test_a_tokenizer_path_alone_tokenises_with_that_tokenizer(tmp_path):
+    """data.tokenizer unset with data.tokenizer_path: its kind, never bytes (issue 45: data=files
+    with a tokenizer directory prepared byte tokens)."""
+    from tests.unit.tokenizer_files import hf_tokenizer_dir
+
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = hf_tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_bytes(jsonl_lines({"text": "hello world"}))
+    data = data_config(tmp_path, [tmp_path / "a.jsonl"], format="jsonl",
+                       tokenizer_path=str(tok))
+    assert data.tokenizer == "hf"
+    ids = tokenizers.Tokenizer.from_file(str(tok / "tokenizer.json")).encode(
+        "hello world", add_special_tokens=False).ids
+    tokens = all_tokens(prepare(data))[0]
+    assert tokens[:len(ids)] == ids or tokens[1:len(ids) + 1] == ids  # after a bos, if any
+    assert DataConfig(tokenizer_path="x/cl100k_base.tiktoken").tokenizer == "tiktoken"
+    assert DataConfig().tokenizer == "byte"
+
+
 def test_text_key_and_globs(tmp_path):
     (tmp_path / "x1.jsonl").write_bytes(jsonl_lines({"body": "one"}))
     (tmp_path / "x2.jsonl").write_bytes(jsonl_lines({"body": "two"}))

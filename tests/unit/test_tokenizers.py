@@ -110,8 +110,8 @@ def test_a_missing_extra_is_named_before_launch(tmp_path, monkeypatch):
 
     for module in ("tokenizers", "tiktoken", "tiktoken_ext", "pyarrow", "zstandard", "datasets"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-    (tmp_path / "a.jsonl.zst").write_bytes(b"")
-    (tmp_path / "p.parquet").write_bytes(b"")
+    (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")  # told by content, not name
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "dataset_info.json").write_text("{}")
     tiktoken_file(tmp_path / "cl100k_base.tiktoken")
