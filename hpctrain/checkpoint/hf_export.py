@@ -18,6 +18,7 @@ transformers' own save_pretrained does.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -45,10 +46,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def find_checkpoint(source: str | Path, *, key: str = "export.from") -> Verified:
     """A checkpoint directory (verified) or a run directory's newest verified checkpoint;
     ValueError naming `key` (the setting that gave `source`) when there is none."""
+    return newest_checkpoint(source, key=key)[0]
+
+
+def newest_checkpoint(source: str | Path, *, key: str = "export.from"
+                      ) -> tuple[Verified, list[tuple[Path, str]]]:
+    """`find_checkpoint`, and the newer checkpoints of a run directory that did not verify,
+    each with its reason (what an export of the run must say it passed over)."""
     source = Path(source)
     try:
         if (source / "manifest.json").is_file():
-            return catalog.verify(source)
+            return catalog.verify(source), []
         found, skipped = catalog.scan(source)
     except Unverified as err:
         raise ValueError(f"{key}={source} does not verify: {err}") from None
@@ -56,7 +64,7 @@ def find_checkpoint(source: str | Path, *, key: str = "export.from") -> Verified
         why = f" ({'; '.join(f'{p.name}: {r}' for p, r in skipped)})" if skipped else ""
         raise ValueError(f"{key}={source} holds no verified checkpoint{why}: give a run "
                          "directory with checkpoints/ or a checkpoints/step_XXXXXXXX directory")
-    return found
+    return found, skipped
 
 
 def read_full_model(path: Path) -> dict[str, torch.Tensor]:
@@ -96,11 +104,20 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path, *, limit: int) ->
     for file, shard in zip(names, shards, strict=True):
         save_file({k: v.contiguous() for k, v in shard.items()}, str(out / file),
                   metadata={"format": "pt"})
+        _as_umask_allows(out / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                          "weight_map": weight_map}, indent=2))
     return names
+
+
+def _as_umask_allows(path: Path) -> None:
+    """The permissions of a file created with open() (safetensors writes 0600: a model
+    shared on a cluster's file system would be unreadable to everyone else)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def run_tokenizer_dir(run_dir: Path) -> Path | None:
@@ -131,7 +148,7 @@ def _exportable(found: Verified) -> ModelConfig:
 def export_hf(settings, *, run_dir: Path | None = None) -> dict[str, Any]:
     """Write the Hugging Face directory `settings.out` (module docstring); returns a summary."""
     safe_open_or_explain()  # the extra is installed
-    found = find_checkpoint(settings.from_)
+    found, skipped = newest_checkpoint(settings.from_)
     model = _exportable(found)
     dtype = DTYPES[settings.dtype]
     full = read_full_model(found.path)
@@ -150,6 +167,18 @@ def export_hf(settings, *, run_dir: Path | None = None) -> dict[str, Any]:
         if (tok / name).is_file():
             shutil.copy2(tok / name, out / name)
             copied.append(name)
-    return {"checkpoint": str(found.path), "out": str(out), "files": files,
-            "tokenizer_files": copied,
+    return {"checkpoint": str(found.path), "step": found.step, "out": str(out), "files": files,
+            "tokenizer_files": copied, "skipped": [[str(p), why] for p, why in skipped],
             "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def export_summary(result: dict[str, Any]) -> str:
+    """What task=export prints: the checkpoint exported, where, and every newer checkpoint it
+    passed over because it did not verify."""
+    lines = [f"exported {result['checkpoint']} (step {result['step']}, "
+             f"{result['parameters']:,} parameters) to {result['out']}: "
+             f"{len(result['files'])} safetensors file(s)"
+             + (f", tokenizer {', '.join(result['tokenizer_files'])}"
+                if result["tokenizer_files"] else "")]
+    lines += [f"warning: skipped the newer {path}: {why}" for path, why in result["skipped"]]
+    return "\n".join(lines)

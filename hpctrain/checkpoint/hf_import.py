@@ -55,8 +55,12 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     safe_open = safe_open_or_explain()
     out = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), path))
+        try:
+            with safe_open(path, framework="pt") as f:
+                out.update(dict.fromkeys(f.keys(), path))
+        except Exception as err:  # noqa: BLE001 - safetensors' errors are not one type
+            raise ValueError(f"model.init_from={directory}: {path.name} is not a readable "
+                             f"safetensors file ({err}): download it again") from None
     return out
 
 

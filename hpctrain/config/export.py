@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from hpctrain.config.build import build
@@ -32,6 +33,10 @@ def export_settings(extra: dict[str, Any]):
     if missing:
         raise ValueError(f"task=export needs {' and '.join(f'export.{k}' for k in missing)}: "
                          "e.g. task=export export.from=outputs/run1 export.out=hf/run1")
+    out = Path(settings.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export.out={settings.out} is a file: name the directory to write "
+                         f"(created), e.g. export.out={out.with_suffix('')}_hf")
     return settings
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.checkpoint.catalog import check_resume
+from hpctrain.checkpoint.catalog import check_resume, check_run_dir
+from hpctrain.checkpoint.hf_checks import check_init_from
 from hpctrain.config.bench import check_bench, needs_data
 from hpctrain.config.build import Problem
 from hpctrain.config.dryrun import check_dryrun
@@ -75,11 +76,12 @@ class Task:
 
 # The rules of a training run, in the order their problems are listed.
 TRAIN_CHECKS: tuple[Check, ...] = (
-    check_local_nodes, check_resume, check_data_paths, check_format, check_tokenizer,
-    check_cache_dir,
+    check_local_nodes, check_resume, check_run_dir, check_data_paths, check_format,
+    check_tokenizer, check_cache_dir,
     check_cp, check_world, check_hsdp, check_signal_delay, check_elastic, check_optim,
     check_lr_schedule, check_head_dim, check_model_shape, check_batch, check_eval,
-    check_packing, check_vocab, check_model_tokenizer, check_data_size, check_device,
+    check_packing, check_vocab, check_init_from, check_model_tokenizer, check_data_size,
+    check_device,
     check_attention, check_fp8, check_not_built, check_moe, check_schedule, check_pipeline,
     check_cluster_spec, check_bench, check_export_every)
 
@@ -119,6 +121,12 @@ def _export(cfg: Config) -> Result:
     from hpctrain.tasks.export import run_export
 
     return run_export(cfg)
+
+
+def _show_export(result: Result) -> str:
+    from hpctrain.checkpoint.hf_export import export_summary
+
+    return export_summary(result)
 
 
 def _generate(cfg: Config) -> Result:
@@ -200,11 +208,11 @@ TASKS: dict[str, Task] = {t.name: t for t in (
                                check_cache_dir),
          lambda r: f"prepared tokens: {r['data_dir']}", reads_data=lambda c: True),
     # task=export reads one checkpoint, no ranks, no data: its model comes from the checkpoint.
-    Task("export", _export, (check_export,), lambda r: None),
+    Task("export", _export, (check_export,), _show_export),
     # task=generate samples from one model on one device: its model and prompts matter.
-    Task("generate", _generate, (check_generate,), _show_generations),
+    Task("generate", _generate, (check_generate, check_init_from), _show_generations),
     # task=eval: one process; its data and model come from the run (or eval.*, data.*).
-    Task("eval", _eval, (check_eval_task,), _show_eval),
+    Task("eval", _eval, (check_eval_task, check_init_from), _show_eval),
     # task=compat validates its own cells (hpctrain.tasks.compat), whatever else is configured.
     Task("compat", _compat, (), _show_text),
     # task=dryrun sets up ranks of the job on meta tensors here: everything a training run

@@ -4,10 +4,12 @@ loads the directory and its logits equal hpctrain's from the same checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
+from hpctrain.checkpoint.hf_export import export_summary
 from hpctrain.dispatch import launch
 from tests.conftest import get_world, make_config
 from tests.hf_models import save_tiny_llama
@@ -54,6 +56,23 @@ def test_export_round_trip_after_tp2_training(world2, tmp_path):
     skip = {"dtype", "torch_dtype", "transformers_version"}
     assert {k: v for k, v in exported.items() if k in imported and k not in skip} == {
         k: imported[k] for k in exported if k in imported and k not in skip}
+    # issue 45: the files as readable as the umask allows (safetensors wrote 0600), the export
+    # named, and a newer checkpoint that does not verify is said, not silently passed over
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all((out / f).stat().st_mode & 0o777 == 0o666 & ~umask for f in summary["files"])
+    damaged = tmp_path / "run" / "checkpoints" / "step_00000009"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text("{not json")
+    again = launch(make_config(["task=export", f"export.from={tmp_path / 'run'}",
+                                f"export.out={tmp_path / 'again'}"], run_dir=tmp_path))
+    text = export_summary(again)
+    assert again["checkpoint"] == ckpt and "step_00000002 (step 2" in text
+    assert f"warning: skipped the newer {damaged}" in text
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="export.out=.*afile is a file"):
+        make_config(["task=export", f"export.from={tmp_path / 'run'}",
+                     f"export.out={tmp_path / 'afile'}"], run_dir=tmp_path)
 
 
 def test_export_every_writes_each_kept_checkpoint_while_training(world2, tmp_path):

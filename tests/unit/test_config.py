@@ -10,18 +10,6 @@ from tests.conftest import CONF, ROOT, compose, make_config
 from tests.unit.tokenizer_files import hf_tokenizer_dir
 
 
-def hf_config_dir(directory):
-    """A directory holding only a Llama config.json (the shape; parsing reads nothing else)."""
-    import json
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-        "max_position_embeddings": 256}))
-    return directory
-
-
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
@@ -50,7 +38,10 @@ def test_every_option_composes(group, tmp_path):
         if group == "model":  # llama3_8b and larger do not fit this host: composing is tested
             overrides.append("plan.force=true")
         if (group, option) == ("model", "hf"):  # its shape comes from a directory's config.json
-            overrides.append(f"model.init_from={hf_config_dir(tmp_path / 'hf')}")
+            from tests.hf_models import save_tiny_llama  # and its weights must match it
+
+            save_tiny_llama(tmp_path / "hf", tied=False)
+            overrides.append(f"model.init_from={tmp_path / 'hf'}")
         if group == "parallel":
             world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
             overrides.append(f"cluster.procs_per_node={world}")

@@ -156,6 +156,18 @@ def test_unsupported_fields_are_refused_with_their_values(tmp_path):
         assert text in str(err.value)
 
 
+def test_qwen3_attention_bias_is_refused(tmp_path):
+    """Qwen3's attention_bias biases o_proj as well, which hpctrain has not (issue 45: it was
+    accepted and o_proj.bias dropped)."""
+    path = tmp_path / "config.json"
+    save_tiny_llama(tmp_path, tied=False)
+    hf = json.loads(path.read_text())
+    hf.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True)
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)
+
+
 def test_model_hf_without_a_directory_says_so(tmp_path):
     with pytest.raises(ValueError, match="model=hf needs the directory"):
         make_config(["model=hf"], run_dir=tmp_path)
@@ -193,6 +205,11 @@ def test_shapes_without_an_exact_hugging_face_family_are_named():
     assert export_family(PRESETS["debug"].with_(attention_bias=True))[0] == "qwen2"
     _, why = export_family(PRESETS["debug"].with_(attention_bias=True, head_dim=16))
     assert "Qwen2 derives head_dim" in why[0]
+    # q/k norms and q/k/v biases: Qwen3's attention_bias would bias o_proj too (issue 45)
+    _, why = export_family(PRESETS["debug"].with_(qk_norm=True, attention_bias=True))
+    assert "also biases o_proj" in why[0]
+    with pytest.raises(ValueError, match="model.attention_bias=true with model.qk_norm=true"):
+        hf_config(PRESETS["debug"].with_(qk_norm=True, attention_bias=True), dtype="fp32")
     with pytest.raises(ValueError, match="no exact Hugging Face form: model.moe.every=2"):
         hf_config(PRESETS["debug_moe"], dtype="fp32")
 
@@ -214,6 +231,10 @@ def test_the_data_tokenizer_defaults_to_the_model_directorys(tmp_path):
     with pytest.raises(ValueError, match=r"data.tokenizer=bpe is not the tokenizer of model"):
         make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=bpe"],
                     run_dir=tmp_path)
+    # byte given outright is a choice, not the default: refused too (issue 45: it trained)
+    with pytest.raises(ValueError, match=r"data.tokenizer=byte is not the tokenizer of model"):
+        make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=byte"],
+                    run_dir=tmp_path)
     other = hf_tokenizer_dir(tmp_path / "other", words=41)
     with pytest.raises(ValueError, match=rf"data.tokenizer_path={other} is not the tokenizer"):
         make_config(["model=hf", f"model.init_from={model}", *data, "data.tokenizer=hf",
@@ -229,3 +250,54 @@ def test_the_data_tokenizer_defaults_to_the_model_directorys(tmp_path):
     with pytest.raises(ValueError, match=r"was prepared with data.tokenizer=byte"):
         make_config(["model=hf", f"model.init_from={model}", "data.source=tokens",
                      f"data.paths=[{prepared}]", "train.seq_len=16"], run_dir=tmp_path)
+
+
+def _damaged(tmp_path, change) -> str:
+    """The refusal of a tiny Llama directory after `change(directory, tensors)`, where
+    `tensors` are its weights by name (rewritten into model.safetensors when returned)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "model"
+    save_tiny_llama(directory, tied=False)
+    path = directory / "model.safetensors"
+    tensors = change(directory, load_file(path))
+    if tensors is not None:
+        save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        make_config(["model=hf", f"model.init_from={directory}"], run_dir=tmp_path)
+    return str(err.value)
+
+
+def test_a_directory_that_is_not_its_config_is_refused_tensor_by_tensor(tmp_path):
+    """Issue 45: a third layer's tensors in a two-layer directory trained (ignored), NaN
+    weights were never named, and a missing or truncated file was a traceback in the ranks."""
+    pytest.importorskip("safetensors")
+
+    def third_layer(_, t):
+        return {**t, "model.layers.2.input_layernorm.weight": torch.ones(64)}
+
+    def nan(_, t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+        return t
+
+    def o_proj_bias(_, t):
+        return {**t, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}
+
+    def truncated(directory, _):
+        path = directory / "model.safetensors"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def missing_shard(directory, t):
+        index = {"weight_map": {name: "model-00002-of-00002.safetensors" for name in t}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    cases = [(third_layer, ["1 tensor(s) its config.json does not account for",
+                            "model.layers.2.input_layernorm.weight"]),
+             (o_proj_bias, ["model.layers.0.self_attn.o_proj.bias"]),
+             (nan, ["non-finite weights", "model.layers.1.mlp.up_proj.weight (1 of"]),
+             (truncated, ["model.safetensors", "download it again"]),
+             (missing_shard, ["names model-00002-of-00002.safetensors, which is missing"])]
+    for change, words in cases:
+        message = _damaged(tmp_path / change.__name__, change)
+        assert all(w in message for w in words), (change.__name__, message)
+        assert "Traceback" not in message

@@ -26,8 +26,11 @@ def _keys(prefix: str, cls: type) -> set[str]:
 KEYS = {k for group, cls in RUN_GROUPS.items() for k in _keys(group, cls)}
 
 
+HYDRA_KEYS = {"hydra.run.dir"}  # Hydra's own, which sets Config.run_dir
+
+
 def _exists(read: str) -> bool:
-    if read in TASK_GROUPS or read in KEYS:
+    if read in TASK_GROUPS or read in KEYS or read in HYDRA_KEYS:
         return True
     return read.endswith(".") and any(k.startswith(read) for k in KEYS)
 

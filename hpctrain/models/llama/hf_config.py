@@ -88,7 +88,7 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
         return [f"model_type={hf.get('model_type')!r} (supported: {', '.join(FAMILIES)})"]
     checks: dict[str, Any] = {"hidden_act": "silu", "mlp_bias": False, "attention_dropout": 0.0,
                               "pretraining_tp": 1, "quantization_config": None}
-    if family not in ("qwen2", "qwen3"):  # Llama's attention_bias also biases o_proj
+    if family != "qwen2":  # Llama's and Qwen3's attention_bias also bias o_proj
         checks["attention_bias"] = False
     if family == "mixtral":
         checks.update(router_jitter_noise=0.0)
@@ -117,7 +117,7 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
            "rope_theta": theta,
            "norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
            "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
-           "attention_bias": family == "qwen2" or bool(hf.get("attention_bias", False)),
+           "attention_bias": family == "qwen2",  # others' are refused (`unsupported`)
            "qk_norm": family == "qwen3"}
     out["rope_scaling"] = {"type": "none"}
     if scaling is not None:
@@ -214,6 +214,9 @@ def export_family(m: ModelConfig) -> tuple[str, list[str]]:
                 if getattr(m, k)]
         return "mixtral", why
     if m.qk_norm:
+        if m.attention_bias:
+            why.append("model.attention_bias=true with model.qk_norm=true (Qwen3's "
+                       "attention_bias also biases o_proj, which hpctrain's attention has not)")
         return "qwen3", why
     if m.attention_bias:
         if m.head_dim != m.dim // m.n_heads or m.dim % m.n_heads:
@@ -236,10 +239,11 @@ def model_tokenizer(init_from: str | None) -> Path | None:
 def with_model_tokenizer(data: Any, init_from: str | None) -> Any:
     """The `data` group whose tokenizer defaults to the model directory's: with
     `model.init_from` holding a tokenizer.json and no data.tokenizer_path, with data.tokenizer
-    still `byte` (the default) or `hf` (`data=jsonl`'s), data.tokenizer=hf,
-    data.tokenizer_path=<init_from>."""
+    unset or `hf` (`data=jsonl`'s), data.tokenizer=hf, data.tokenizer_path=<init_from>. A
+    tokenizer given (`byte`, another file) stays, for the data checks to refuse
+    (hpctrain.data.checks.check_model_tokenizer)."""
     if (not isinstance(data, dict) or model_tokenizer(init_from) is None
-            or data.get("tokenizer", "byte") not in ("byte", "hf")
+            or data.get("tokenizer") not in (None, "hf")
             or data.get("tokenizer_path")):
         return data
     return {**data, "tokenizer": "hf", "tokenizer_path": str(init_from)}
