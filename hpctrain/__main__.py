@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from hpctrain import dispatch
 from hpctrain.config import cli, hydra_schema
-from hpctrain.errors import RunStopped, end_process, storage_stop
+from hpctrain.errors import RunStopped, end_process, path_stop, storage_stop
 from hpctrain.launch import resolvers
 from hpctrain.launch.record import hydra_record
 from hpctrain.metrics.redact import Secrets, install_log_filter
@@ -108,7 +108,7 @@ def _entry() -> None:
     except Exception as err:
         # Hydra could not create the run directory (read-only, full): one message. (Hydra's
         # MissingConfigException is an OSError too, without an errno: the branch below.)
-        stop = storage_stop(err) if isinstance(err, OSError) else None
+        stop = (storage_stop(err) or path_stop(err)) if isinstance(err, OSError) else None
         if stop is not None and not users_full_error:
             print(f"error: {stop}", file=sys.stderr)
             sys.exit(stop.exit_code)

@@ -81,6 +81,30 @@ def storage_stop(err: OSError, *, where: str | os.PathLike | None = None) -> Run
                       "already saved are intact and a rerun resumes from the newest")
 
 
+PATH_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EEXIST, errno.ENOENT)
+
+
+def path_stop(err: OSError) -> RunStopped | None:
+    """A directory that cannot be made where it is asked for — a dangling or looping
+    symlink, a file in the way — as one message naming the path; None for other errors."""
+    if err.errno not in PATH_ERRNOS or not err.filename:
+        return None
+    path = Path(os.fsdecode(err.filename))
+    why = err.strerror
+    if path.is_symlink():
+        fault = "does not exist"
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13: a loop
+            fault = "loops back to itself"
+        except OSError as found:
+            fault = "loops back to itself" if found.errno == errno.ELOOP else fault
+        why = f"a symbolic link to {os.readlink(path)}, which {fault}"
+    return RunStopped(f"cannot use {path} as a directory: {why}. Remove or fix it, or choose "
+                      "another directory (hydra.run.dir=<dir>), then run the command again",
+                      exit_code=2)
+
+
 class OnceFileHandler(logging.FileHandler):
     """A log file that stops on its first failed write (a full or read-only disk) with one
     line on stderr, instead of a traceback for every record that follows; other errors of a

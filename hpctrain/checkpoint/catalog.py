@@ -11,6 +11,7 @@ only checkpoints it has not seen in this process. Choosing what to load never us
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 import re
@@ -106,9 +107,18 @@ def known_reason(path: Path) -> str | None:
     return None
 
 
+def _milestone(path: Path) -> bool:
+    """Whether a verified checkpoint was saved as a milestone (its manifest's `kept`)."""
+    try:
+        return json.loads((path / "manifest.json").read_text()).get("kept") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def prune(root: Path, *, keep: int, newest: Path, keep_every: int = 0) -> None:
     """After saving `newest`: keep it, the `keep` newest verified checkpoints, every one at a
-    multiple of `keep_every` steps (kept for good; 0: none), every unverified one (for
+    multiple of `keep_every` steps or saved as a milestone under an earlier value (its
+    manifest's `kept`: kept for good; 0: none), every unverified one (for
     inspection, and it may be overwritten by a later save at its step) and the newest verified
     one before each unverified one (the fallback it needs); delete the other verified ones,
     and `.partial` directories of earlier steps (killed saves). keep=0 keeps everything."""
@@ -117,7 +127,7 @@ def prune(root: Path, *, keep: int, newest: Path, keep_every: int = 0) -> None:
     dirs = sorted(p for p in root.iterdir() if NAME.match(p.name))
     reasons = {p: known_reason(p) for p in dirs}
     verified = [p for p in dirs if reasons[p] is None]
-    keepers = {newest, *verified[-keep:]}
+    keepers = {newest, *verified[-keep:], *(p for p in verified if _milestone(p))}
     if keep_every > 0:
         keepers.update(p for p in verified if int(NAME.match(p.name)[1]) % keep_every == 0)
     for suspect in (p for p in dirs if reasons[p] is not None):
@@ -156,3 +166,17 @@ def check_resume(c: Config) -> list[str]:
     return [f"train.resume={mode!r}: {why}; pass a checkpoint directory such as "
             "<run_dir>/checkpoints/step_00000100, or train.resume=auto (the newest in this "
             "run directory) or train.resume=never"]
+
+
+@check("hydra.run.dir", stage="input", data=True)
+def check_run_dir(c: Config) -> list[str]:
+    """The run directory is no part of another run's checkpoints: that run's retention would
+    delete it and its resume read it (a run placed in checkpoints/step_* made that run fall
+    back 10 steps)."""
+    run_dir = Path(c.run_dir).expanduser().absolute()
+    for folder in run_dir.parents:
+        if folder.name == "checkpoints" and (folder.parent / ".hydra").is_dir():
+            return [f"hydra.run.dir={c.run_dir} is inside {folder}, the checkpoints of the run "
+                    f"{folder.parent}, whose retention and resume own everything there: "
+                    f"choose a directory outside it, e.g. hydra.run.dir={folder.parent}_next"]
+    return []

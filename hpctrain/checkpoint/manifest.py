@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpctrain.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -63,11 +66,13 @@ def digest_files(directory: Path, *, names: list[str]) -> dict[str, dict[str, An
 
 
 def write(directory: Path, *, files: dict[str, dict[str, Any]], step: int,
-          layout: dict[str, int], model: ModelConfig | None) -> Path:
-    """Write `manifest.json` (through a temp file and a rename, so it is whole or absent)."""
+          layout: dict[str, int], model: ModelConfig | None, kept: bool = False) -> Path:
+    """Write `manifest.json` (through a temp file and a rename, so it is whole or absent).
+    `kept`: a milestone, kept for good (train.keep_every when it was saved) whatever the
+    retention of later runs says."""
     body = {"format": FORMAT, "step": step, "layout": layout,
             "model": dataclasses.asdict(model) if model is not None else None,
-            "hash": "sha256", "files": dict(sorted(files.items()))}
+            "hash": "sha256", "kept": kept, "files": dict(sorted(files.items()))}
     path = Path(directory) / MANIFEST
     tmp = path.with_name(MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -153,7 +158,10 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def _check_listing(directory: Path, files: dict[str, Any]) -> None:
-    """The directory holds exactly the listed files (plus the manifest), all regular files."""
+    """The directory holds every listed file, each a regular file. Anything else in it is
+    not part of the checkpoint: never read (a load reads listed files only, `listed`), so it
+    is named in a warning, and a good checkpoint stays usable (one stray file made the run
+    fall back to an older one)."""
     present = {}
     with os.scandir(directory) as entries:
         for e in entries:
@@ -166,7 +174,14 @@ def _check_listing(directory: Path, files: dict[str, Any]) -> None:
             raise Unverified(f"{name} is not a regular file")
     extra = sorted(set(present) - set(files))
     if extra:
-        raise Unverified(f"file {extra[0]} is not in {MANIFEST} (written after the save?)")
+        log.warning("checkpoint %s holds %s, not in its %s: ignored (never read)", directory,
+                    ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5
+                                            else ""), MANIFEST)
+
+
+def listed(directory: Path) -> set[str]:
+    """The files a checkpoint's manifest lists (what a load may read)."""
+    return set(json.loads((Path(directory) / MANIFEST).read_text())["files"])
 
 
 def shape_mismatch(manifest: dict[str, Any], *, model: ModelConfig) -> list[str]:

@@ -254,8 +254,9 @@ def _read_rank_state(path: Path) -> dict[str, Any]:
     """This rank's RNG/scaler file (weights_only: plain data and tensors, never code), after
     checking DCP's index the same way (`safe_dcp`) so that both fail here, agreed."""
     safe_load.read_metadata(path)
-    own = path / f"rank_{dist.get_rank():05d}.pt"
-    return torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=True)
+    own = path / f"rank_{dist.get_rank():05d}.pt"  # a listed one only: never a stray file
+    return torch.load(own if own.name in manifest.listed(path) else path / "rank_00000.pt",
+                      weights_only=True)
 
 
 def _agreed(path: Path, *, read: Callable[[], T]) -> T:

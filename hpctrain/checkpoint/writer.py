@@ -140,7 +140,8 @@ def _seal_on_rank0(request: Request, digests: list[dict], *, rank: int) -> str |
         return None
     try:
         seal(partial_of(request.path), request.path, digests=digests,
-             train_state=request.train_state, model=request.model)
+             train_state=request.train_state, model=request.model,
+             keep_every=request.retention.keep_every)
     except OSError as err:
         return reason(err, rank=0)
     catalog.prune(request.path.parent, keep=request.retention.keep,
@@ -149,15 +150,18 @@ def _seal_on_rank0(request: Request, digests: list[dict], *, rank: int) -> str |
 
 
 def seal(partial: Path, path: Path, *, digests: list[dict], train_state: dict[str, Any],
-         model) -> None:
+         model, keep_every: int = 0) -> None:
     """After every rank's files are written and hashed: train_state.json, then manifest.json
-    over every file, then the rename that makes the checkpoint visible."""
+    over every file (a milestone of `keep_every` marked kept), then the rename that makes the
+    checkpoint visible."""
     (partial / "train_state.json").write_text(json.dumps(train_state, indent=2))
     files = {name: entry for d in digests for name, entry in d.items()}
     unclaimed = sorted(set(os.listdir(partial)) - set(files))  # train_state.json, or renamed
     files.update(manifest.digest_files(partial, names=unclaimed))
     layout = {k: train_state[k] for k in LAYOUT_KEYS if k in train_state}
-    manifest.write(partial, files=files, step=train_state["step"], layout=layout, model=model)
+    step = train_state["step"]
+    manifest.write(partial, files=files, step=step, layout=layout, model=model,
+                   kept=keep_every > 0 and step % keep_every == 0)
     if path.exists():
         shutil.rmtree(path)
     os.replace(partial, path)

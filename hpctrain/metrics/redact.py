@@ -1,15 +1,17 @@
 """Secrets never leave the process in clear: configs, logs, summaries and W&B see `***`.
 
 A name is a credential's when one of its parts (split at `_`, `-`, `.` and lower→upper case
-changes) is, or ends with, one of CREDENTIAL_WORDS (KEY, TOKEN, SECRET, PASSWORD, PASSWD,
-AUTH, CREDENTIAL(S), PRIVATE: WANDB_API_KEY, HF_AUTH, DB_PASSWD, GhToken), or is listed in
-`logger.redact`. Names of the environment that hold paths are not (PWD, OLDPWD,
-SSH_AUTH_SOCK, XAUTHORITY, ...). `Secrets` holds the values of such names in the environment
-and in `cluster.env`, and masks them by value wherever they appear: a log record, a YAML or
-JSON document, a string. A value that is a path is never a secret (the working and run
-directories stay readable), nor is one shorter than MIN_LEN characters (it would scrub
-ordinary words). `cluster.env` entries and `cluster.env.NAME=value` overrides with a
-credential's name are masked by name as well, whatever their length.
+changes) is, or ends with, one of CREDENTIAL_WORDS (KEY, TOKEN, SECRET, PASSWORD, PASSWD, AUTH,
+CREDENTIAL(S), PRIVATE: WANDB_API_KEY, HF_AUTH, DB_PASSWD, GhToken), or is PAT (a personal
+access token: GITHUB_PAT), or is listed in `logger.redact`. Names of the environment that hold
+paths are not (PWD, OLDPWD, SSH_AUTH_SOCK, XAUTHORITY, ...). `Secrets` holds the values of such
+names in the environment and in `cluster.env`, and masks them by value wherever they appear: a
+log record, a YAML or JSON document, a string. A value that is a path is never a secret (the
+working and run directories stay readable), nor is one shorter than MIN_LEN characters (it
+would scrub ordinary words). `cluster.env` entries and `cluster.env.NAME=value` overrides with
+a credential's name are masked by name as well, whatever their length. The password of a URL
+(`scheme://user:password@host`, as in DATABASE_URL) is masked wherever a URL appears, whatever
+its name and length.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ CREDENTIAL_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "PWD
 # Environment names with a credential word that hold paths or sockets, not secrets.
 NOT_SECRET = frozenset({"PWD", "OLDPWD", "SSH_AUTH_SOCK", "XAUTHORITY", "KRB5CCNAME",
                         "GPG_AGENT_INFO", "SSH_AGENT_PID"})
+EXACT_WORDS = ("PAT",)  # credential parts too short to match as endings (COMPAT, SPAT)
 MASK = "***"
 MIN_LEN = 6
 ENV_MAPPINGS = ("env", "env_set")  # cluster.env, Hydra's hydra.job.env_set: masked by name
 _PARTS = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)([^@\s/]+)(@)")
 _OVERRIDE = re.compile(r"^(\+{0,2}(?:[\w.]+\.)?env\.)([\w.-]+)=(.+)$")
 
 
@@ -44,7 +48,7 @@ def is_secret(name: str, listed: Iterable[str] = ()) -> bool:
         return True
     if upper in NOT_SECRET:
         return False
-    return any(p.endswith(CREDENTIAL_WORDS) for p in name_parts(name))
+    return any(p.endswith(CREDENTIAL_WORDS) or p in EXACT_WORDS for p in name_parts(name))
 
 
 def _is_path(value: str) -> bool:
@@ -76,7 +80,7 @@ class Secrets:
     def text(self, text: str) -> str:
         for value in self.values:
             text = text.replace(value, MASK)
-        return text
+        return _URL_PASSWORD.sub(rf"\1{MASK}\3", text)
 
     def data(self, value: Any, *, key: str | None = None) -> Any:
         """A copy of `value` (mappings, lists, tuples, strings) with every secret value masked,
@@ -107,8 +111,6 @@ class SecretFilter(logging.Filter):
         self.secrets = secrets
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.secrets.values:
-            return True
         message = record.getMessage()
         scrubbed = self.secrets.text(message)
         if scrubbed != message:

@@ -68,6 +68,16 @@ def test_other_samples_give_another_loss(trained, tmp_path):
     assert result["samples"] == 3 and result["eval_loss"] != pytest.approx(evals[4], rel=1e-5)
 
 
+def test_more_samples_than_the_split_holds_is_refused_at_once(trained, tmp_path):
+    """Issue 45: eval.samples=1000000000 grew to 8.6 GB without output (the indices wrap
+    around the split, so the same samples again)."""
+    run_dir, _ = trained
+    with pytest.raises(ValueError, match=r"eval.samples=1000000000 is more than the \d+ samples "
+                                         r"of the val split .*: set eval.samples=\d+"):
+        _eval([f"eval.from={run_dir}", "eval.samples=1000000000", "eval.micro_batch_size=2"],
+              tmp_path)
+
+
 def test_eval_logs_to_wandb_offline(trained, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

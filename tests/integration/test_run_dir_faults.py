@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hpctrain.launch.rundir_lock import LOCK_NAME
 from tests.conftest import ROOT
 from tests.harness import die_with_parent
@@ -60,12 +62,14 @@ def test_wandb_unreachable_with_a_key_and_secrets_never_written(tmp_path):
     run_dir = tmp_path / "run"
     key = "0123456789abcdef" * 2 + "01234567"
     secrets = {"WANDB_API_KEY": key, "DB_PASSWD": "db-very-secret-2",
-               "HF_AUTH": "hf-auth-secret-3", "TEAM_LABEL": "team-label-secret-4"}
+               "HF_AUTH": "hf-auth-secret-3", "TEAM_LABEL": "team-label-secret-4",
+               "GITHUB_PAT": "ghp-pat-secret-5"}  # issue 45: PAT and a URL's password leaked
     env = {**os.environ, **secrets, "WANDB_BASE_URL": "http://127.0.0.1:9",
            "WANDB_SILENT": "true", "SSH_AUTH_SOCK": str(run_dir), "PWD": str(ROOT)}
     t0 = time.monotonic()
     proc = subprocess.run(_cmd(run_dir, "train.steps=3", "logger.wandb=auto",
                                "+cluster.env.HF_TOKEN=hf-very-secret-1",
+                               "+cluster.env.DATABASE_URL=postgres://u:pw@dbhost/db",
                                "logger.redact=[TEAM_LABEL]",  # by the user's own list
                                "logger.run_name=team-label-secret-4_db-very-secret-2"),
                           cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
@@ -74,7 +78,7 @@ def test_wandb_unreachable_with_a_key_and_secrets_never_written(tmp_path):
     assert "unreachable: logging offline" in out
     assert time.monotonic() - t0 < 120  # not W&B's 90 s init timeout on top of the run
     assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    values = ["hf-very-secret-1", *secrets.values()]
+    values = ["hf-very-secret-1", "u:pw@dbhost", *secrets.values()]
     leaked = [(p, v) for p in run_dir.rglob("*") if p.is_file()
               for v in values if v.encode() in p.read_bytes()]
     assert not leaked, leaked
@@ -86,3 +90,17 @@ def test_wandb_unreachable_with_a_key_and_secrets_never_written(tmp_path):
     assert str(run_dir) in (hydra / "hydra.yaml").read_text()
     assert str(ROOT) in (hydra / "hydra.yaml").read_text()
     assert str(run_dir) in (run_dir / "summary.json").read_text()
+
+
+@pytest.mark.parametrize("link", ["dangling", "looping"])
+def test_a_broken_symlink_as_run_directory_is_one_message(tmp_path, link):
+    """Issue 45: a dangling or looping symlink as hydra.run.dir was a 29-line traceback."""
+    run_dir = tmp_path / "run"
+    run_dir.symlink_to(tmp_path / "nowhere" if link == "dangling" else run_dir)
+    proc = subprocess.run(_cmd(run_dir, "train.steps=1", "logger.wandb=disabled"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(err) == 1, proc.stderr[-2000:]
+    want = "does not exist" if link == "dangling" else "loops back to itself"
+    assert f"cannot use {run_dir} as a directory: a symbolic link" in err[0] and want in err[0]

@@ -63,8 +63,6 @@ TAMPERS = {
     "flipped byte": (lambda p: _flip(p / "__0_0.distcp"), "__0_0.distcp sha256 mismatch"),
     "truncated": (lambda p: (p / ".metadata").write_bytes(b"ind"), ".metadata has 3 bytes"),
     "missing": (lambda p: (p / "rank_00000.pt").unlink(), "rank_00000.pt is missing"),
-    "stray file": (lambda p: (p / "evil.pt").write_bytes(b"x"), "evil.pt is not in"),
-    "stray dir": (lambda p: (p / "sub").mkdir(), "sub is not in"),
     "no manifest": (lambda p: (p / manifest.MANIFEST).unlink(), "older hpctrain"),
     "garbled manifest": (lambda p: (p / manifest.MANIFEST).write_text("{\"files"),
                          "not valid JSON"),
@@ -88,6 +86,20 @@ def test_every_tampering_is_named(tmp_path, tamper):
     with pytest.raises(Unverified) as err:
         catalog.verify(path)
     assert reason in str(err.value)
+
+
+def test_stray_files_are_ignored_and_named_never_read(tmp_path, caplog):
+    """Issue 45: one stray file made a good checkpoint unusable (a 10-step rollback). Every
+    listed file still verifies; the strays are named in a warning, and a load reads listed
+    files only (a stray rank_00003.pt is not this rank's state)."""
+    path = fake_checkpoint(tmp_path / "step_00000003")
+    (path / "notes.txt").write_text("x")
+    (path / "rank_00003.pt").write_bytes(b"not a checkpoint's")
+    (path / "sub").mkdir()
+    with caplog.at_level("WARNING"):
+        assert catalog.verify(path).step == 3
+    assert "notes.txt, rank_00003.pt, sub" in caplog.text and "never read" in caplog.text
+    assert "rank_00003.pt" not in manifest.listed(path)
 
 
 def test_shape_mismatch_names_only_shape_keys():
@@ -170,3 +182,16 @@ def test_shares_cover_every_file_once_balanced_by_size():
     assert loads == [105, 105]
     assert manifest.shares(files, world=4) == [["a"], ["b"], ["c", "f"], ["d", "e"]]
     assert manifest.shares(files, world=1) == [["a", "b", "c", "d", "e", "f"]]
+
+
+def test_milestones_stay_when_keep_every_changes(tmp_path):
+    """Issue 45: changing train.keep_every on resume deleted the checkpoints kept for good under
+    the old value. A milestone's manifest says so (`kept`), and pruning keeps it."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 3, 4, 5, 6):
+        path = fake_checkpoint(root / f"step_{step:08d}", step=step)
+        if step % 2 == 0:  # saved under train.keep_every=2
+            _edit_manifest(path, lambda b: b.update(kept=True))
+    catalog.prune(root, keep=1, newest=root / "step_00000006", keep_every=5)
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000002", "step_00000004", "step_00000005", "step_00000006"]

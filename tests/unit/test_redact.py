@@ -13,13 +13,15 @@ from hpctrain.metrics.redact import MASK, SecretFilter, Secrets, is_secret
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "DB_PASSWD", "HF_AUTH",
                                   "MYSQL_PWD", "DB_PASS",
                                   "OAUTH_CLIENT", "GhToken", "AWS_SECRET_ACCESS_KEY",
-                                  "GOOGLE_CREDENTIALS", "PRIVATE_KEY", "db_password", "APIKEY"])
+                                  "GOOGLE_CREDENTIALS", "PRIVATE_KEY", "db_password", "APIKEY",
+                                  "GITHUB_PAT", "gitlab-pat"])
 def test_credential_names(name):
     assert is_secret(name)
 
 
 @pytest.mark.parametrize("name", ["PWD", "OLDPWD", "SSH_AUTH_SOCK", "XAUTHORITY", "AUTHOR",
-                                  "TOKENIZER_PATH", "KEYBOARD_LAYOUT", "NCCL_IB_HCA", "HOME"])
+                                  "TOKENIZER_PATH", "KEYBOARD_LAYOUT", "NCCL_IB_HCA", "HOME",
+                                  "HPCTRAIN_COMPAT", "PATH"])
 def test_names_that_are_not_credentials(name):
     assert not is_secret(name)
 
@@ -72,3 +74,18 @@ def test_log_filter_scrubs_values_anywhere(caplog):
         caplog.handler.removeFilter(flt)
     assert "tok-123456" not in caplog.text and "abcdef" not in caplog.text
     assert f"connecting with {MASK} and key={MASK}, visible" in caplog.text
+
+
+def test_url_passwords_are_masked_whatever_their_name_and_length():
+    """DATABASE_URL=postgres://u:pw@h/db was written in clear (issue 45): the password of any
+    URL is masked, in documents and in log records, even with no secret known by name."""
+    secrets = Secrets.of(environ={})
+    doc = {"db": "postgres://u:pw@h/db", "list": ["redis://:s3@cache:6379/0"],
+           "plain": "https://example.org/a:b@c", "path": "/data/x:y@z"}
+    assert secrets.data(doc) == {"db": f"postgres://u:{MASK}@h/db",
+                                 "list": [f"redis://:{MASK}@cache:6379/0"],
+                                 "plain": "https://example.org/a:b@c", "path": "/data/x:y@z"}
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "url %s", ("mysql://a:b@h",),
+                               None)
+    assert SecretFilter(secrets).filter(record)
+    assert record.getMessage() == f"url mysql://a:{MASK}@h"

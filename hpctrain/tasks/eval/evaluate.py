@@ -90,6 +90,10 @@ def dataset_loss(model: torch.nn.Module, inputs: EvalInputs, *, split: str, voca
         raise ValueError(f"the data's tokenizer has {ds.vocab_size} token ids, the model only "
                          f"{vocab} (model.vocab_size): evaluate on data tokenised as the model "
                          "was trained (eval.data=run, or the model's data.tokenizer)")
+    if inputs.samples > ds.n_samples:  # the indices wrap: the same samples again
+        most = max(ds.n_samples // inputs.micro_batch, 1) * inputs.micro_batch
+        raise ValueError(f"eval.samples={inputs.samples} is more than the {ds.n_samples} samples "
+                         f"of the {split} split ({data_dir}): set eval.samples={most} (or fewer)")
     batches = [ds.rows(indices) for indices in eval_indices(
         ds.n_samples, samples=inputs.samples, dp=1, dp_rank=0, micro_batch=inputs.micro_batch)]
     tokens = sum(int((split_micro_batch(b)[1] != IGNORE_INDEX).sum()) for b in batches)
