@@ -2,8 +2,9 @@
 
 Each case is `python -m hpctrain task=dryrun ...` (rank 0, bf16, H100-SXM): the dry run counts
 every collective the rank's step issues on meta tensors (checked op for op against
-`hpctrain/plan/comm_volume.py`). Printed per case: the dp group's GiB sent, the rank's device
-total and activations, and whether it fits. Run it on two trees (PYTHONPATH) to compare them.
+`hpctrain/plan/comm_volume.py`). Printed per case: the GiB the dp group, the pipeline's
+messages ("world") and the tp group send, the rank's device total and activations, and
+whether it fits. Run it on two trees (PYTHONPATH) to compare them.
 
     python benchmarks/dp_wire.py
 """
@@ -36,17 +37,21 @@ CASES = {
 
 
 def main() -> None:
-    print("| case | dp group GiB sent | device total GiB | activations GiB | fits |")
-    print("|---|---:|---:|---:|---|")
+    print("| case | dp GiB sent | pp hops GiB | tp GiB | device total GiB | activations GiB "
+          "| fits |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, overrides) in enumerate(CASES.items()):
             run_dir = Path(tmp) / str(i)
             subprocess.run([sys.executable, "-m", "hpctrain", *BASE, *overrides,
                             f"hydra.run.dir={run_dir}"], check=True, capture_output=True)
             row = json.loads((run_dir / "dryrun.json").read_text())["ranks"][0]
-            dp = sum(c["bytes"] for g, c in row["comm"].items() if g.split("=")[0] == "dp")
-            print(f"| {name} | {dp / GIB:.2f} | {row['total_bytes'] / GIB:.2f} | "
-                  f"{row['activations_bytes'] / GIB:.2f} | {row['fits']} |")
+            sent = {axis: sum(c["bytes"] for g, c in row["comm"].items()
+                              if g.split("=")[0] == axis) / GIB
+                    for axis in ("dp", "world", "tp")}
+            print(f"| {name} | {sent['dp']:.2f} | {sent['world']:.2f} | {sent['tp']:.2f} | "
+                  f"{row['total_bytes'] / GIB:.2f} | {row['activations_bytes'] / GIB:.2f} | "
+                  f"{row['fits']} |")
 
 
 if __name__ == "__main__":
