@@ -66,12 +66,14 @@ def main(cfg: DictConfig) -> dict | None:
 
 @contextlib.contextmanager
 def _storage_errors(where: str):
-    """A write the storage refused (full, read-only) becomes one message (errors.storage_stop,
-    naming `where` when the error names no file); other OSErrors keep their traceback."""
+    """A write the storage refused (full, read-only) or a path that cannot be a directory (a
+    file or a broken symlink in the way) becomes one message (errors.storage_stop, naming
+    `where` when the error names no file; errors.path_stop); other OSErrors keep their
+    traceback."""
     try:
         yield
     except OSError as err:
-        stop = storage_stop(err, where=where)
+        stop = storage_stop(err, where=where) or path_stop(err)
         if stop is None:
             raise
         raise stop from err

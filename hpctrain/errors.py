@@ -91,6 +91,13 @@ def path_stop(err: OSError) -> RunStopped | None:
         return None
     path = Path(os.fsdecode(err.filename))
     why = err.strerror
+    blocker = next((p for p in (path, *path.parents)
+                    if p.exists() and not p.is_dir() and not p.is_symlink()), None)
+    if blocker is not None:
+        return RunStopped(f"cannot use {path}: {blocker} is a file where a directory must be. "
+                          "Move or delete it, or choose another directory (hydra.run.dir=<dir>), "
+                          "then run the command again (checkpoints already saved are intact)",
+                          exit_code=2)
     if path.is_symlink():
         fault = "does not exist"
         try:

@@ -121,6 +121,12 @@ def _failure(path: Path, why: str, *, needed: int) -> str:
     """The one message of a failed save: where, why, the free space, the fix. torch's own
     error for a full disk can be cryptic ("unexpected pos"), so the free space is compared
     with what the save writes."""
+    blocker = next((p for p in (partial_of(path), path, *path.parents)
+                    if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # no space or permission fix applies: a file is in the way
+        return (f"saving checkpoint {path} failed ({why}): {blocker} is a file where a "
+                "directory must be; move or delete it, then run the same command again (the "
+                "checkpoints before it are intact and a resume starts from the newest)")
     try:
         free = shutil.disk_usage(path.parent).free
     except OSError:

@@ -58,8 +58,23 @@ def check_data_paths(c: Config) -> list[str]:
                 "data.paths=[/path/a.txt,'/path/docs/*.md']"]
     if d.source == "tokens":
         return _token_dir_problems(d.paths, stages=d.stages)
-    return [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
+    errs = [e for key, patterns in (("data.paths", d.paths), ("data.val_paths", d.val_paths))
             for pattern in patterns for e in _pattern_problems(pattern, d.format, key=key)]
+    return errs or _overlap_problems(d)
+
+
+def _overlap_problems(d) -> list[str]:
+    """A file both trained on and held out: the val loss would measure memorisation."""
+    if not d.val_paths:
+        return []
+    train = {p.resolve() for p in list_inputs(d.paths, d.format)}
+    both = sorted(p for p in list_inputs(d.val_paths, d.format) if p.resolve() in train)
+    if not both:
+        return []
+    return [f"data.val_paths holds {both[0]}" + (f" and {len(both) - 1} more file(s)"
+                                                  if len(both) > 1 else "")
+            + ", which data.paths trains on too: the val loss would measure memorisation; "
+            "remove it from one of them"]
 
 
 def _mixture_problems(c: Config) -> list[str]:

@@ -104,3 +104,18 @@ def test_a_broken_symlink_as_run_directory_is_one_message(tmp_path, link):
     assert "Traceback" not in proc.stderr and len(err) == 1, proc.stderr[-2000:]
     want = "does not exist" if link == "dangling" else "loops back to itself"
     assert f"cannot use {run_dir} as a directory: a symbolic link" in err[0] and want in err[0]
+
+
+def test_a_file_where_the_checkpoints_go_is_named_with_the_fix_that_applies(tmp_path):
+    """Issue 45: a checkpoint path blocked by a plain file stopped the run asking for free space
+    or permissions; the file in the way is named instead."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a directory")
+    proc = subprocess.run(_cmd(run_dir, "train.steps=2", "train.checkpoint_every=1",
+                               "logger.wandb=disabled"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"{run_dir / 'checkpoints'} is a file where a directory must be" in proc.stderr
+    assert "free space" not in proc.stderr.lower()

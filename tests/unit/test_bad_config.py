@@ -215,6 +215,9 @@ BAD = [
       "({d}/hftok)", "set model.vocab_size=1024"]),
     (["data.tokenizer=byte", "data.bos_token='<s>'"], ["data.bos_token='<s>'", "remove"]),
     # issue 45: inputs identified by content where names lie, a tokenizer file never ignored
+    ([FILES, "data.paths=[{d}/short.txt,{d}/adir]", "data.val_paths=[{d}/short.txt]"],
+     ["data.val_paths holds {d}/short.txt, which data.paths trains on too",
+      "remove it from one of them"]),
     ([FILES, "data.paths=[{d}/short.txt]", "data.tokenizer=byte", "data.tokenizer_path={d}/hftok"],
      ["data.tokenizer=byte reads no tokenizer file, but data.tokenizer_path={d}/hftok is "
       "given", "set data.tokenizer=hf"]),
