@@ -13,7 +13,7 @@ from hpctrain.data.checks import check_prepared
 from hpctrain.data.prepare import prepare
 from hpctrain.launch import rundir_lock
 from hpctrain.launch.local import launch_local
-from hpctrain.launch.record import log_to_run_dir, write_record
+from hpctrain.launch.record import log_to_run_dir, recorded, write_record
 from hpctrain.launch.slurm import run_slurm_task
 from hpctrain.metrics.redact import Secrets
 from hpctrain.plan.auto import write_plan
@@ -36,7 +36,8 @@ def launch(cfg: Config, *, record: Mapping[str, str] | None = None) -> dict[str,
     launcher holds the lock locally, Slurm task 0 holds it in a Slurm job. A directory in use
     by another live run raises RunDirBusy before any rank starts, and before anything is
     written into it: the owner writes `record` (the entry point's `.hydra/` files,
-    launch.record), plan.json (parallel=auto) and its log lines only once the lock is held."""
+    launch.record), plan.json (parallel=auto) and its log lines only once the lock is held,
+    and a run refused after that (ValueError) puts back the record it replaced."""
     secrets = Secrets.of(cfg.cluster.env, cfg.logger.redact)
     task = TASKS[cfg.task]
     if not task.on_ranks:
@@ -50,13 +51,12 @@ def launch(cfg: Config, *, record: Mapping[str, str] | None = None) -> dict[str,
     with rundir_lock.held(cfg.run_dir, enabled=owner):
         handler = log_to_run_dir(cfg.run_dir, secrets) if owner else None
         try:
-            if owner:
-                write_record(cfg.run_dir, record or {})
-            if cfg.parallel.auto and owner:  # the choice (made in parse) with its top five
-                write_plan(cfg, accept=runnable_problems)
-            if slurm:  # this process is one Slurm task (one rank)
-                return run_slurm_task(cfg, task.run)
-            return launch_local(cfg, task.run, preload=task.modules)
+            with recorded(cfg.run_dir, (record or {}) if owner else {}):
+                if cfg.parallel.auto and owner:  # the choice (made in parse) with its top five
+                    write_plan(cfg, accept=runnable_problems)
+                if slurm:  # this process is one Slurm task (one rank)
+                    return run_slurm_task(cfg, task.run)
+                return launch_local(cfg, task.run, preload=task.modules)
         finally:
             if handler is not None:
                 logging.getLogger().removeHandler(handler)

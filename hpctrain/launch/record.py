@@ -14,6 +14,7 @@ Readers: the sweep summary (`overrides.yaml`), `task=export` (the tokenizer path
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -43,6 +44,23 @@ def hydra_record(task_cfg, secrets: Secrets) -> dict[str, str]:
                                                           enum_to_str=True)}}
     return {name: yaml.safe_dump(secrets.data(doc), sort_keys=False)
             for name, doc in docs.items()}
+
+
+@contextlib.contextmanager
+def recorded(run_dir: str | os.PathLike, files: Mapping[str, str]):
+    """Write `files` as the run's record for the span of the run; a run refused inside it
+    (ValueError: a checkpoint of another model or seed, a busy directory) puts the record it
+    replaced back, so a refused run leaves nothing of itself in another run's record."""
+    out = Path(run_dir) / RECORD_DIR
+    before = {name: (out / name).read_text() for name in files if (out / name).is_file()}
+    write_record(run_dir, files)
+    try:
+        yield
+    except ValueError:
+        write_record(run_dir, before)
+        for name in set(files) - set(before):
+            (out / name).unlink(missing_ok=True)
+        raise
 
 
 def write_record(run_dir: str | os.PathLike, files: Mapping[str, str]) -> None:

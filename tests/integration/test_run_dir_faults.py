@@ -119,3 +119,18 @@ def test_a_file_where_the_checkpoints_go_is_named_with_the_fix_that_applies(tmp_
     assert "Traceback" not in proc.stderr
     assert f"{run_dir / 'checkpoints'} is a file where a directory must be" in proc.stderr
     assert "free space" not in proc.stderr.lower()
+
+
+def test_a_run_refused_after_taking_the_directory_leaves_its_record_alone(tmp_path):
+    """Issue 45: a seed change against the finished run's checkpoint was refused, but only
+    after rewriting that run's .hydra/ record with its own overrides."""
+    run_dir = tmp_path / "run"
+    first = subprocess.run(_cmd(run_dir, "train.steps=2", "logger.wandb=disabled"), cwd=ROOT,
+                           capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
+    refused = subprocess.run(_cmd(run_dir, "train.steps=3", "train.seed=5",
+                                  "logger.wandb=disabled"), cwd=ROOT, capture_output=True,
+                             text=True, timeout=180)
+    assert refused.returncode == 2 and "would not continue the same run" in refused.stderr
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
