@@ -136,9 +136,11 @@ def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
                 "'dir/*.txt' are expanded)"]
     if fmt == "hf":
         bad = [m for m in matches if not (Path(m) / "dataset_info.json").is_file()]
-        return [f"{key}: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
-                "dataset_info.json): give that directory (one split), or another data.format"
-                ] if bad else []
+        if bad:
+            return [f"{key}: {bad[0]} is not a dataset saved by datasets' save_to_disk (no "
+                    "dataset_info.json): give that directory (one split), or another "
+                    "data.format"]
+        return next(([e] for m in matches if (e := _hf_files_problem(Path(m), key=key))), [])
     if not files:
         want = f"{'/'.join(SUFFIXES[fmt])} files" if fmt in SUFFIXES else "files"
         return [f"{key}: {pattern} holds no {want} (data.format={fmt}): give files, "
@@ -149,6 +151,23 @@ def _pattern_problems(pattern: str, fmt: str, *, key: str) -> list[str]:
         return [f"{key}: {unreadable[0]} is not readable (permissions): fix them or drop "
                 f"it from {key}"]
     return next(([e] for f in files if (e := _content_problem(f, fmt, key=key))), [])
+
+
+def _hf_files_problem(directory: Path, *, key: str) -> str | None:
+    """A saved dataset whose state.json lists data files it does not hold."""
+    try:
+        state = json.loads((directory / "state.json").read_text())
+        files = [f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return (f"{key}: {directory}/state.json is missing or unreadable ({err}): save the "
+                "dataset again with save_to_disk")
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        return (f"{key}: {directory} lacks {missing[0]}" + (f" and {len(missing) - 1} more"
+                                                           if len(missing) > 1 else "")
+                + ", which its state.json lists: copy the whole directory, or save the "
+                "dataset again with save_to_disk")
+    return None
 
 
 def _content_problem(path: Path, fmt: str, *, key: str) -> str | None:

@@ -215,6 +215,9 @@ BAD = [
       "({d}/hftok)", "set model.vocab_size=1024"]),
     (["data.tokenizer=byte", "data.bos_token='<s>'"], ["data.bos_token='<s>'", "remove"]),
     # issue 45: inputs identified by content where names lie, a tokenizer file never ignored
+    ([FILES, "data.format=hf", "data.paths=[{d}/dsmissing]"],
+     ["{d}/dsmissing lacks data-00000-of-00001.arrow, which its state.json lists",
+      "save the dataset again"]),
     ([FILES, "data.paths=[{d}/short.txt,{d}/adir]", "data.val_paths=[{d}/short.txt]"],
      ["data.val_paths holds {d}/short.txt, which data.paths trains on too",
       "remove it from one of them"]),
@@ -320,6 +323,10 @@ def inputs(tmp_path_factory):
     hf_tokenizer_dir(d / "hftok", words=600)  # 607 token ids
     tiktoken_file(d / "cl100k_base.tiktoken")
     (d / "adir" / "a.txt").write_text("hi")
+    (d / "dsmissing").mkdir()  # a saved dataset copied without its data file
+    (d / "dsmissing" / "dataset_info.json").write_text("{}")
+    (d / "dsmissing" / "state.json").write_text(
+        '{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
     (d / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hello"}\n'))
     (d / "docs.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(12))  # a zstd frame's magic
     (d / "rows.parquet").write_bytes(b"PAR1" + bytes(12) + b"PAR1")
