@@ -9,11 +9,13 @@ traceback.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 
 class RunStopped(RuntimeError):
@@ -31,6 +33,15 @@ class NonFiniteError(RunStopped):
     """A non-finite loss, gradient norm or checkpoint state stopped training."""
 
     exit_code = 3
+
+
+def read_json(path: str | os.PathLike, *, fix: str) -> Any:
+    """A user's JSON file; ValueError naming the file, where it breaks, and `fix` (a bare
+    JSONDecodeError names neither the file nor what to do)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): {fix}") from None
 
 
 def end_process(code: int) -> None:

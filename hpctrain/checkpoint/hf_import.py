@@ -17,12 +17,12 @@ routed-expert weight.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
 
 from hpctrain.checkpoint.shards import Chunk, optimizer_flats, unit_chunks
+from hpctrain.errors import read_json
 from hpctrain.models.llama.hf_names import Piece, hf_pieces, whole
 from hpctrain.parallel.data.state import refresh_from_masters
 from hpctrain.parallel.state import ParallelState
@@ -46,7 +46,7 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     directory = Path(directory)
     index = directory / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, fix="download the model directory again")["weight_map"]
         return {name: directory / file for name, file in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:

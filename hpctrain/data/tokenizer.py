@@ -12,12 +12,13 @@ recorded in meta.json with both special tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from hpctrain.errors import read_json
 
 BYTE_EOD = 256  # byte-level vocabulary: 0..255 are bytes, 256 ends a document
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -139,7 +140,7 @@ def _hf_defaults(path: Path, specials: list[str]) -> tuple[str | None, str | Non
     config = path.with_name("tokenizer_config.json")
     found: dict[str, str | None] = {}
     if config.is_file():
-        raw = json.loads(config.read_text())
+        raw = read_json(config, fix="download the tokenizer again, or delete the file")
         for key in ("bos_token", "eos_token"):
             value = raw.get(key)
             found[key] = value.get("content") if isinstance(value, dict) else value

@@ -301,3 +301,11 @@ def test_a_directory_that_is_not_its_config_is_refused_tensor_by_tensor(tmp_path
         message = _damaged(tmp_path / change.__name__, change)
         assert all(w in message for w in words), (change.__name__, message)
         assert "Traceback" not in message
+
+
+def test_a_garbled_json_file_is_named(tmp_path):
+    """Issue 45: JSON decoder errors named no file."""
+    save_tiny_llama(tmp_path, tied=False)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match=rf"{tmp_path}/config.json is not valid JSON \(.*line 1"):
+        make_config(["model=hf", f"model.init_from={tmp_path}"], run_dir=tmp_path)

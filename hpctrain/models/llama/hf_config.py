@@ -17,10 +17,10 @@ own (its `router_aux_loss_coef`, no z-loss, dropless) unless the run sets them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from hpctrain.errors import read_json
 from hpctrain.models.config import ModelConfig
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
@@ -42,7 +42,7 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"model.init_from={directory}: {path} does not exist: give a local "
                          "Hugging Face model directory (config.json + *.safetensors)")
-    return json.loads(path.read_text())
+    return read_json(path, fix="download or save the model directory again")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
