@@ -3,7 +3,9 @@
 `supervise` waits on every rank's exit and result pipe at once, and ends the job in one of
 these ways, always with every rank process reaped (no manager process exists to orphan):
 
-- every rank exits 0: the results are returned;
+- every rank exits 0: the results are returned, unless the ranks stopped early on a signal
+  sent to one of them (not to the launcher): then `JobStopped` with exit status 128 + SIGTERM,
+  since the run is not done (a scheduler or script must not read it as success);
 - SIGINT/SIGTERM to the launcher: forwarded to the ranks as SIGTERM, which stop through the
   agreed preemption path (`launch.preempt`: checkpoint at the next step boundary, then exit);
   ranks still alive `stop_grace_s` later are killed; a second SIGINT kills them at once.
@@ -141,6 +143,13 @@ def _raise_if_stopped(procs, *, failed: int | None, signals: list[int], run_dir:
                    "(cluster.signal_delay_s) and were killed: the last periodic checkpoint is "
                    "kept")
         raise JobStopped(f"stopped by {name}: {how}", exit_code=128 + signals[0])
+    by_signal = [r for r in sorted(results) if isinstance(results[r], dict)
+                 and results[r].get("stopped_by_signal")]
+    if failed is None and by_signal:  # a rank was signalled (not this launcher): not done
+        saved = results[by_signal[0]].get("checkpoint")
+        raise JobStopped(f"stopped by a signal to a rank before train.steps: checkpoint saved "
+                         f"({saved}); run the same command again to continue",
+                         exit_code=128 + signal.SIGTERM)
     if failed is None:
         return
     stopped = [results[r] for r in sorted(results)

@@ -147,6 +147,19 @@ def test_a_launcher_signal_stops_with_a_checkpoint(tmp_path, sig):
     assert len(family) >= 2 and not (left := _alive(family)), left
 
 
+def test_a_signal_to_one_rank_stops_every_rank_and_is_not_success(tmp_path):
+    """Issue 45: SIGTERM to one rank (not the launcher) stopped the run with a checkpoint and
+    exit 0, so a script read an unfinished run as done."""
+    proc = _start(tmp_path)
+    _wait_training(proc, tmp_path)
+    os.kill(int(_beat(tmp_path, 1)["pid"]), signal.SIGTERM)
+    code, out, _ = _finish(proc, limit_s=30)
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by a signal to a rank before train.steps: checkpoint saved" in out, out[-3000:]
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert saved and (saved[-1] / "train_state.json").exists()
+
+
 def test_a_killed_launchers_ranks_stop_with_a_checkpoint_and_no_traceback(tmp_path):
     proc = _start(tmp_path)
     _wait_training(proc, tmp_path)
