@@ -5,8 +5,8 @@ Always (cheap: stat calls): every token file's size is its token count × the dt
 hpctrain.data.assemble) has the size it records. On first use, also the content: each listed
 file's sha256 against the manifest (without a manifest, the token files' largest id is
 measured). What was verified is remembered in `.verified.json` beside the files with their
-sizes and modification times, so later runs only stat them; a changed file is verified
-again. A directory that cannot be written (a shared, read-only cache) is verified by every
+sizes, modification and change times and inodes, so later runs only stat them; a changed file
+is verified again (also one whose size and mtime were put back: its change time moved). A directory that cannot be written (a shared, read-only cache) is verified by every
 run. The largest token id must be below model.vocab_size: an id outside the embedding would
 fail in the middle of training, at the first step that samples it.
 """
@@ -80,8 +80,8 @@ def _read(path: Path) -> dict[str, Any] | None:
 def _signature(data_dir: Path, names) -> dict[str, list[int]]:
     out = {}
     for name in sorted(names):
-        st = (data_dir / name).stat()
-        out[name] = [st.st_size, st.st_mtime_ns]
+        st = (data_dir / name).stat()  # ctime: no user can set it back (utime moves it too)
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     return out
 
 
@@ -93,7 +93,7 @@ def _verified(data_dir: Path, files: dict[str, Any], itemsize: int) -> dict[str,
     marker = _read(data_dir / MARKER)
     if marker and marker.get("signature") == signature:
         return {"max_id": marker["max_id"]}
-    size = sum(s for s, _ in signature.values())
+    size = sum(entry[0] for entry in signature.values())
     log.info("verifying prepared data %s (%.3g MB, first use)", data_dir, size / 1e6)
     for name, entry in sorted(files.items()):
         if _sha256(data_dir / name) != entry["sha256"]:

@@ -56,6 +56,22 @@ def test_changed_content_of_the_same_size_is_refused_even_after_a_good_first_use
     assert "val.idx's content differs from its manifest (sha256)" in err
 
 
+def test_an_edit_with_its_size_and_mtime_put_back_is_verified_again(prepared):
+    """Issue 45: an edited cache whose size and modification time were restored was trusted
+    (the marker compared only those)."""
+    assert check_token_dir(prepared, vocab_size=512, rebuild=REBUILD) == []
+    path = prepared / "train.bin"
+    st = path.stat()
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as `touch -r` would
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    (err,) = check_token_dir(prepared, vocab_size=512, rebuild=REBUILD)
+    assert "train.bin's content differs from its manifest (sha256)" in err
+
+
 def test_ids_outside_the_vocabulary_are_refused_with_and_without_a_manifest(prepared):
     files = json.loads((prepared / "manifest.json").read_text())["files"]
     top = max(files["train.bin"]["max_id"], files["val.bin"]["max_id"])
