@@ -5,7 +5,9 @@ train_state.json (`recorded`). A resume compares them with this run's (`compare`
 
 - a changed key that leaves the continuation exact (the LR schedule and optimizer settings,
   train.steps, the batch sizes, checkpoint and logging cadence) is one log line each, `key:
-  old → new`, and the run continues;
+  old → new`, and the run continues — unless the checkpoint ends a finished run (its step is
+  train.steps): then nothing would train and the old results would pass for the new
+  settings', so it is refused;
 - a changed key that makes it inexact is refused before any tensor is read, unless
   train.resume_changes=allow: the tokens themselves (the tokenizer and its special tokens, the
   corpus, its format and split, how it is cut into samples) and the data order (train.seed, the
@@ -81,6 +83,16 @@ def refusal(path, inexact: list[str], saved: dict[str, Any], cfg: Config) -> str
             "continue anyway, or train.resume=never (or another run directory) to start over")
 
 
+def finished_refusal(path, lines: list[str]) -> str:
+    """A finished run met again with other settings: nothing would train, and its results
+    would be reported under settings they were not made with (a second sweep into the same
+    sweep directory over other values did so)."""
+    return (f"{path} ends a finished run, and this run changes {'; '.join(lines)}: nothing "
+            "would train, and that run's results would be reported as this run's. Use "
+            "another run directory (hydra.run.dir, or hydra.sweep.dir for a sweep), raise "
+            "train.steps to continue it, or train.resume=never to start over")
+
+
 def acceptor(cfg: Config, *, logging_rank: bool):
     """`checkpoint.load`'s `accept`: refuse an inexact resume (ValueError, on every rank) unless
     train.resume_changes=allow; the logging rank logs each change."""
@@ -89,6 +101,8 @@ def acceptor(cfg: Config, *, logging_rank: bool):
         lines, inexact = compare(saved, cfg)
         if inexact and cfg.train.resume_changes != "allow":
             raise ValueError(refusal(verified.path, inexact, saved, cfg))
+        if lines and train_state.get("step", 0) >= cfg.train.steps:
+            raise ValueError(finished_refusal(verified.path, lines))
         for line in lines if logging_rank else ():
             log.info("%s", line)
     return accept

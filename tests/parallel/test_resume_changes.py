@@ -42,6 +42,12 @@ def test_exact_changes_are_logged_and_inexact_ones_refused(tmp_path):
     ran, lines = world.run(_resume, ["train.seed=7", "train.resume_changes=allow"], run, 4)[0]
     assert ran == 1
     assert "train.seed: 1234 → 7 since the checkpoint (the data read changes)" in lines
+    # issue 45: a finished run met with other settings (a second sweep into the same sweep
+    # directory) reported the old results as its own; refused, while the same run is complete
+    ran, lines = world.run(_resume, ["train.seed=7", "train.resume_changes=allow",
+                                     "optim.lr=1e-3"], run, 4)[0]
+    assert ran is None and "ends a finished run, and this run changes optim.lr" in lines[0]
+    assert world.run(_resume, ["train.seed=7", "train.resume_changes=allow"], run, 4)[0][0] == 0
 
 
 def test_what_counts_as_inexact():
