@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,23 @@ def check_run_dir(c: Config) -> list[str]:
                     f"{folder.parent}, whose retention and resume own everything there: "
                     f"choose a directory outside it, e.g. hydra.run.dir={folder.parent}_next"]
     return []
+
+
+def set_aside_newer(run_dir: Path, *, step: int) -> Path | None:
+    """A run resumed from an earlier checkpoint (train.resume=<dir>) starts a new line: this
+    run directory's checkpoints after `step` belong to the abandoned one. They move, whole,
+    into `checkpoints/abandoned_after_<step>_<time>/` (no longer candidates): `resume=auto`
+    then follows the new line and pruning keeps its checkpoints, and nothing is deleted.
+    Returns the folder they went to (None: there were none)."""
+    newer = [p for p in candidates(run_dir) if int(NAME.match(p.name)[1]) > step]
+    if not newer:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = Path(run_dir) / "checkpoints" / f"abandoned_after_{step:08d}_{stamp}"
+    aside.mkdir()
+    for path in newer:
+        os.replace(path, aside / path.name)
+    log.warning("resumed at step %d, an earlier checkpoint: the %d newer checkpoint(s) of the "
+                "line it leaves (%s) moved to %s, where they stay", step, len(newer),
+                ", ".join(p.name for p in sorted(newer)), aside)
+    return aside

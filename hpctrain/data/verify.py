@@ -6,9 +6,10 @@ hpctrain.data.assemble) has the size it records. On first use, also the content:
 file's sha256 against the manifest (without a manifest, the token files' largest id is
 measured). What was verified is remembered in `.verified.json` beside the files with their
 sizes, modification and change times and inodes, so later runs only stat them; a changed file
-is verified again (also one whose size and mtime were put back: its change time moved). A directory that cannot be written (a shared, read-only cache) is verified by every
-run. The largest token id must be below model.vocab_size: an id outside the embedding would
-fail in the middle of training, at the first step that samples it.
+is verified again (also one whose size and mtime were put back: its change time moved). A
+directory that cannot be written (a shared, read-only cache) is verified by every run. The
+largest token id must be below model.vocab_size: an id outside the embedding would fail in the
+middle of training, at the first step that samples it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.checkpoint import resume_changes
+from hpctrain.checkpoint import catalog, resume_changes
 from hpctrain.checkpoint import save_load as ckpt
 from hpctrain.checkpoint.checkpointer import Checkpointer, save_metrics
 from hpctrain.checkpoint.hf_import import load_hf_weights
@@ -128,6 +128,8 @@ class Trainer:
                          self.cfg.model.init_from, self.init_bytes_read)
             return
         found, train_state, rank_state = loaded
+        if mode not in ("auto", "never") and self.mesh.rank == 0:  # a new line from there
+            catalog.set_aside_newer(self.run_dir, step=train_state["step"])
         self.scaler.load_state_dict(rank_state["scaler"])
         self.step = train_state["step"]
         self.data_offset = train_state.get("data_offset", 0)

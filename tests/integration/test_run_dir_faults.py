@@ -3,6 +3,7 @@ lock, W&B unreachable with a key set, secrets on the command line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -134,3 +135,29 @@ def test_a_run_refused_after_taking_the_directory_leaves_its_record_alone(tmp_pa
                              text=True, timeout=180)
     assert refused.returncode == 2 and "would not continue the same run" in refused.stderr
     assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
+
+
+def test_a_resume_from_an_earlier_checkpoint_starts_a_line_that_auto_follows(tmp_path):
+    """Issue 45: after train.resume=<earlier step>, the next resume=auto took the abandoned
+    line's newest checkpoint and pruning deleted the new line's. The abandoned checkpoints now
+    move aside (kept), so the new line is what auto resumes and pruning keeps."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+
+    def run(*over):
+        proc = subprocess.run(_cmd(run_dir, "logger.wandb=disabled", "train.checkpoint_every=1",
+                                   *over), cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    run("train.steps=4", "train.keep=2")
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000004"]
+    log = run("train.steps=5", "train.keep=2", f"train.resume={ckpts / 'step_00000003'}")
+    assert "moved to" in log
+    (aside,) = ckpts.glob("abandoned_after_00000003_*")
+    assert [p.name for p in aside.iterdir()] == ["step_00000004"]  # kept, out of the way
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000005"]
+    new_line = json.loads((ckpts / "step_00000005" / "train_state.json").read_text())
+    log = run("train.steps=6", "train.keep=2")  # resume=auto: the new line's newest
+    assert f"resumed from {ckpts / 'step_00000005'}" in log
+    assert new_line["step"] == 5
