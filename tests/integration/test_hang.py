@@ -246,10 +246,10 @@ def test_a_straggler_is_named_within_its_window(tmp_path):
     falls inside a collective delays both ranks alike: the pulses go on, at most 40 s; at 0.1 s
     of every 0.25 s, CI's loaded machine once named nobody in five windows): rank 1 is the first
     named, with its host, by the end of the third whole window of 10 steps; with
-    cluster.exclude_stragglers its host is kept for the next restart's exclusion. The windows
-    before the pulses name nobody. (After the pulses, under a load of 5 on these 2 cores, rank 0
-    was once named at 1.20× the median of two ranks: that is what the rule says of such noise,
-    so later windows are not asserted.)"""
+    cluster.exclude_stragglers its host is kept for the next restart's exclusion. (Windows
+    before the pulses are not asserted: under the suite's own load one once named rank 1 at
+    1.22× the median; nor later ones: rank 0 was once named at 1.20× after the pulses. That is
+    what the rule says of such noise at threshold 0.2.)"""
     run = [a for a in RUN if not a.startswith("train.steps=")] + [
         "train.steps=80", "train.global_batch_size=64", "cluster.straggler_window=10",
         "cluster.exclude_stragglers=true"]
@@ -268,10 +268,15 @@ def test_a_straggler_is_named_within_its_window(tmp_path):
         time.sleep(0.1)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
-    named = [ln for ln in out.splitlines() if "straggler in steps" in ln]
+    windows = [(int(m.group(2)), ln) for ln in out.splitlines()
+               if (m := re.search(r"straggler in steps (\d+)\.\.(\d+)", ln))]
+    # windows ending before the pulses: under the suite's own load (up to 9 on these 2 cores,
+    # Slurm jobs beside) the first one once named rank 1 at 1.22x the median, which is what
+    # the rule says of such noise at threshold 0.2; the pulses' window is what is asserted
+    named = [ln for end, ln in windows if end >= 30]
     assert named and "rank 1 (host " in named[0] and "rank 0 " not in named[0], out[-3000:]
     first = int(re.search(r"straggler in steps (\d+)\.\.(\d+)", named[0]).group(2))
-    assert 30 <= first <= 60, named[0]  # pulses from step >= 25
+    assert first <= 60, named[0]  # pulses from step >= 25
     assert _beat(tmp_path, 1)["host"] in json.loads(
         (tmp_path / ".hpctrain" / "stragglers.json").read_text())
     records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
